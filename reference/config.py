@@ -1,0 +1,235 @@
+"""The model configuration, read from a Hugging Face `config.json` (BambaConfig fields and defaults).
+
+Every field the model's arithmetic depends on is a typed attribute of `ModelConfig`; fields that do not change
+what the model computes (generation defaults, bookkeeping written by transformers) are accepted and dropped.
+Anything else is an error: a misspelt field silently taking its default is how an oracle goes quietly wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config.json that the oracle cannot interpret unambiguously."""
+
+
+# Fields that BambaConfig (transformers 5.x) or PreTrainedConfig writes but which do not change the forward pass.
+_IGNORED_FIELDS = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "num_logits_to_keep", "initializer_range", "z_loss_coefficient", "attention_dropout",
+    "pad_token_id", "bos_token_id", "eos_token_id", "output_attentions", "output_hidden_states",
+    "return_dict", "id2label", "label2id", "_name_or_path", "chunk_size_feed_forward", "is_encoder_decoder",
+    "problem_type", "tokenizer_class", "auto_map", "use_return_dict", "_attn_implementation_autoset",
+})
+
+_MAMBA_TYPES = {"mamba", "linear_attention"}
+_ATTENTION_TYPES = {"attention", "full_attention"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Bamba hyper-parameters with the glossary's letters (DESIGN.md §2) beside them."""
+
+    vocab_size: int = 128000                      # V
+    hidden_size: int = 4096                       # D
+    intermediate_size: int = 14336                # MLP width
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32                 # Hq
+    num_key_value_heads: int = 8                  # Hkv
+    head_dim: int | None = None                   # Dh (hidden_size // Hq when absent)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 262144
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.5
+    attn_layer_indices: tuple[int, ...] = ()
+    mamba_n_heads: int = 128                      # H
+    mamba_d_head: int | None = None               # P (expand·D / H when "auto")
+    mamba_n_groups: int = 1                       # G
+    mamba_d_state: int = 256                      # N
+    mamba_d_conv: int = 4                         # W
+    mamba_expand: int = 2
+    mamba_chunk_size: int = 256                   # Q (the oracle ignores it; kernels and boundary scenarios use it)
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    extra_ignored: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ---- derived sizes -------------------------------------------------------------------------------------
+    @property
+    def attn_head_dim(self) -> int:                # Dh
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:                   # R: rotated dims of each attention head (NeoX rotate-half)
+        return int(self.attn_head_dim * self.partial_rotary_factor)
+
+    @property
+    def mamba_head_dim(self) -> int:               # P
+        if self.mamba_d_head is not None:
+            return self.mamba_d_head
+        return self.mamba_expand * self.hidden_size // self.mamba_n_heads
+
+    @property
+    def mamba_inner(self) -> int:                  # H·P
+        return self.mamba_n_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:                     # channels of x|B|C: H·P + 2·G·N
+        return self.mamba_inner + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @property
+    def in_proj_dim(self) -> int:                  # z | xBC | dt
+        return self.mamba_inner + self.conv_dim + self.mamba_n_heads
+
+    @property
+    def gated_norm_group_size(self) -> int:        # H·P/G: the gated RMSNorm normalises each group separately
+        return self.mamba_inner // self.mamba_n_groups
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return tuple("attention" if i in self.attn_layer_indices else "mamba" for i in range(self.num_hidden_layers))
+
+    @property
+    def mamba_layer_indices(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.attn_layer_indices)
+
+    # ---- validation ----------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
+                    "mamba_expand", "mamba_chunk_size", "max_position_embeddings")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        if self.mamba_d_head is None and (self.mamba_expand * self.hidden_size) % self.mamba_n_heads:
+            raise ConfigError(
+                f"mamba_d_head is 'auto' but mamba_expand·hidden_size = {self.mamba_expand * self.hidden_size} "
+                f"is not divisible by mamba_n_heads = {self.mamba_n_heads}")
+        if self.mamba_head_dim * self.mamba_n_heads != self.mamba_expand * self.hidden_size:
+            raise ConfigError(
+                f"mamba heads·head_dim = {self.mamba_n_heads}·{self.mamba_head_dim} = "
+                f"{self.mamba_n_heads * self.mamba_head_dim} must equal mamba_expand·hidden_size = "
+                f"{self.mamba_expand}·{self.hidden_size} = {self.mamba_expand * self.hidden_size}")
+        if self.mamba_n_heads % self.mamba_n_groups:
+            raise ConfigError(f"mamba_n_heads = {self.mamba_n_heads} is not divisible by "
+                              f"mamba_n_groups = {self.mamba_n_groups}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads = {self.num_attention_heads} is not divisible by "
+                              f"num_key_value_heads = {self.num_key_value_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size = {self.hidden_size} is not divisible by "
+                              f"num_attention_heads = {self.num_attention_heads} and head_dim is not given")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ConfigError(f"partial_rotary_factor: expected in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim % 2:
+            raise ConfigError(f"rotary dims = head_dim·partial_rotary_factor = {self.rotary_dim} must be even")
+        bad = [i for i in self.attn_layer_indices if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"attn_layer_indices: {bad} outside [0, {self.num_hidden_layers})")
+        if len(set(self.attn_layer_indices)) != len(self.attn_layer_indices):
+            raise ConfigError(f"attn_layer_indices: duplicates in {list(self.attn_layer_indices)}")
+        lo, hi = self.time_step_limit
+        if not 0.0 <= lo <= hi:
+            raise ConfigError(f"time_step_limit: expected 0 <= low <= high, got {self.time_step_limit}")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError(f"rms_norm_eps: expected > 0, got {self.rms_norm_eps}")
+
+    # ---- reading -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        """Build from the fields of a config.json; unknown or contradictory fields raise ConfigError."""
+        raw = dict(raw)
+        if raw.get("model_type", "bamba") != "bamba":
+            raise ConfigError(f"model_type: expected 'bamba', got {raw['model_type']!r}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act: only 'silu' is defined for Bamba, got {raw['hidden_act']!r}")
+        raw.pop("hidden_act", None)
+        kwargs: dict = {}
+        known = {f for f in cls.__dataclass_fields__ if f != "extra_ignored"}
+
+        # RoPE: transformers 5.x keeps it in rope_parameters; older files have top-level rope_theta.
+        rope = raw.pop("rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_parameters.rope_type: only 'default' RoPE is defined for Bamba, got {rope_type!r}")
+        unknown_rope = set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+        if unknown_rope:
+            raise ConfigError(f"rope_parameters: unknown fields {sorted(unknown_rope)}")
+        top_theta, top_partial = raw.pop("rope_theta", None), raw.pop("partial_rotary_factor", None)
+        theta = rope.get("rope_theta", top_theta)
+        if theta is not None:
+            kwargs["rope_theta"] = float(theta)
+        partial = rope.get("partial_rotary_factor", top_partial)
+        if partial is not None:
+            kwargs["partial_rotary_factor"] = float(partial)
+
+        # Layer placement: attn_layer_indices, or a per-layer list (layer_types / layers_block_type).
+        indices = raw.pop("attn_layer_indices", None)
+        types = raw.pop("layer_types", None)
+        block_types = raw.pop("layers_block_type", None)
+        if types is not None and block_types is not None and list(types) != list(block_types):
+            raise ConfigError("layer_types and layers_block_type disagree")
+        types = types if types is not None else block_types
+        if types is not None:
+            unknown = sorted({t for t in types} - _MAMBA_TYPES - _ATTENTION_TYPES)
+            if unknown:
+                raise ConfigError(f"layer_types: unknown layer types {unknown}")
+            from_types = [i for i, t in enumerate(types) if t in _ATTENTION_TYPES]
+            if indices is not None and sorted(indices) != from_types:
+                raise ConfigError(f"attn_layer_indices = {sorted(indices)} contradicts layer_types {from_types}")
+            n_layers = raw.get("num_hidden_layers", cls.num_hidden_layers)
+            if len(types) != n_layers:
+                raise ConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {n_layers}")
+            indices = from_types
+        kwargs["attn_layer_indices"] = tuple(sorted(indices or ()))
+
+        if "mamba_d_head" in raw:
+            head = raw.pop("mamba_d_head")
+            kwargs["mamba_d_head"] = None if head == "auto" else head
+        if "head_dim" in raw:
+            kwargs["head_dim"] = raw.pop("head_dim")
+        if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None:
+            raw["num_key_value_heads"] = raw.get("num_attention_heads", cls.num_attention_heads)
+        if "time_step_limit" in raw:
+            limit = raw.pop("time_step_limit")
+            kwargs["time_step_limit"] = (0.0, math.inf) if limit is None else tuple(_json_float(v) for v in limit)
+
+        ignored = sorted(k for k in raw if k in _IGNORED_FIELDS)
+        unknown = sorted(k for k in raw if k not in _IGNORED_FIELDS and k not in known)
+        if unknown:
+            raise ConfigError(f"unknown config fields {unknown}: not BambaConfig fields (a typo would otherwise "
+                              "silently take the default)")
+        for key in known & set(raw):
+            kwargs[key] = raw[key]
+        return cls(**kwargs, extra_ignored=tuple(ignored))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON ({err})") from err
+        return cls.from_dict(raw)
+
+
+def _json_float(value) -> float:
+    """transformers writes infinity as {"__float__": "Infinity"}; plain JSON numbers and strings are accepted too."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    return float(value)

@@ -1,0 +1,303 @@
+"""Naive twins of the Triton kernels, and the small functions the reference model is made of.
+
+Each `<op>_ref` has the signature and return values of the kernel `<op>` in vendored/ops, so a test can call both
+on the same arguments. They are written for reading, not speed: the SSD scan is the plain sequential recurrence
+(one step per token), not the chunked algorithm; `chunk_size` is accepted only so the signatures match.
+
+Layout conventions (shape letters from DESIGN.md §2):
+- Prefill ops take packed variable-length input: the tokens of all sequences one after another, T in total, with
+  `cu_seqlens` (B+1,) the cumulative sequence lengths (sequence b is tokens cu_seqlens[b]:cu_seqlens[b+1]).
+- States live in pools of slots: `conv_states` (S, C, W-1) and `ssm_states` (S, H, P, N). Sequence b reads and
+  writes slot `state_indices[b]`; it starts from that slot's contents when `has_initial_state[b]`, from zeros
+  otherwise. Slots not named are neither read nor written.
+- Decode ops take one token per row; a row whose slot index equals `pad_slot_id` is padding: its slot is neither
+  read nor written and its output row is zero.
+Arithmetic runs in the promoted dtype of the inputs (and of the state pool, for the recurrences); a state is stored
+back in the pool's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mamba2 mixer ops: the twins of vendored/ops
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise ValueError(f"activation: expected 'silu', 'swish' or None, got {activation!r}")
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal convolution over packed sequences, carrying each sequence's window in a state slot.
+
+    x (T, C); weight (C, W); bias (C,) or None; conv_states (S, C, W-1), updated in place: slot state_indices[b]
+    receives the last W-1 inputs of sequence b (its initial window in front, so a piece shorter than W-1 keeps part
+    of the old window); cu_seqlens (B+1,); state_indices (B,); has_initial_state (B,) bool.
+    Returns out (T, C) = activation(conv(x) + bias), in x's dtype promoted with the weight's.
+    """
+    width = weight.shape[1]                                            # W
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)           # (T, C)
+    for b in range(len(state_indices)):
+        start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+        slot = int(state_indices[b])
+        if bool(has_initial_state[b]):
+            initial = conv_states[slot].to(dtype)                      # (C, W-1)
+        else:
+            initial = torch.zeros(x.shape[1], width - 1, dtype=dtype, device=x.device)
+        window = torch.cat([initial, x[start:end].to(dtype).T], dim=1)  # (C, W-1+L)
+        taps = window.unfold(1, width, 1)                              # (C, L, W)
+        y = torch.einsum("clw,cw->lc", taps, weight.to(dtype))         # (L, C)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        out[start:end] = _activate(y, activation)
+        conv_states[slot] = window[:, window.shape[1] - (width - 1):].to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update_ref(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """One decode step of the causal convolution for a batch of sequences.
+
+    x (B, C) one new input per sequence; conv_states (S, C, W-1), updated in place (window shifted by one);
+    weight (C, W); bias (C,) or None; state_indices (B,); rows with state_indices == pad_slot_id are skipped.
+    Returns out (B, C).
+    """
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)           # (B, C)
+    for b in range(x.shape[0]):
+        slot = int(state_indices[b])
+        if slot == pad_slot_id:
+            continue
+        window = torch.cat([conv_states[slot].to(dtype), x[b, :, None].to(dtype)], dim=1)  # (C, W)
+        y = (window * weight.to(dtype)).sum(dim=1)                     # (C,)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        out[b] = _activate(y, activation)
+        conv_states[slot] = window[:, 1:].to(conv_states.dtype)
+    return out
+
+
+def discretize_dt(
+    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]
+) -> torch.Tensor:
+    """Δ = clamp(softplus(dt + dt_bias), dt_limit). dt (..., H); dt_bias (H,) or None."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)                      # threshold 20: identity above, as every Mamba kernel does
+    lo, hi = dt_limit
+    if lo > 0.0 or hi < math.inf:
+        dt = dt.clamp(min=lo, max=hi)
+    return dt
+
+
+def group_of_head(n_heads: int, n_groups: int, device=None) -> torch.Tensor:
+    """The B/C group each mamba head reads: interleaved blocks, head h -> h // (H/G) (not h % G)."""
+    return torch.arange(n_heads, device=device) // (n_heads // n_groups)   # (H,)
+
+
+def ssd_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    chunk_size: int,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    z: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """The selective state-space recurrence over packed sequences, one token at a time.
+
+    For each sequence, head h (group g = h // (H/G)) and token t:
+        Δ_t = clamp(softplus(dt_t + dt_bias), dt_limit)
+        S_t = exp(Δ_t·A_h)·S_{t-1} + Δ_t·x_t ⊗ B_t          S (P, N)
+        y_t = S_t·C_t + D_h·x_t,  then y_t·silu(z_t) if z is given
+    x (T, H, P); dt (T, H); A (H,) (negative); B, C (T, G, N); D (H,) or None; dt_bias (H,) or None;
+    z (T, H, P) or None; cu_seqlens (B+1,); ssm_states (S, H, P, N), updated in place with each sequence's final
+    state; state_indices (B,); has_initial_state (B,) bool. chunk_size is unused (kept for the kernel's signature).
+    Returns y (T, H, P) in the promoted dtype of x and the state pool.
+    """
+    del chunk_size
+    n_heads, n_groups = x.shape[1], B.shape[1]
+    dtype = torch.promote_types(x.dtype, ssm_states.dtype)
+    group = group_of_head(n_heads, n_groups, x.device)                 # (H,)
+    delta = discretize_dt(dt.to(torch.promote_types(dt.dtype, dtype)), dt_bias, dt_softplus, dt_limit).to(dtype)
+    x, A = x.to(dtype), A.to(dtype)
+    B_h, C_h = B.to(dtype)[:, group], C.to(dtype)[:, group]            # (T, H, N)
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)             # (T, H, P)
+    for b in range(len(state_indices)):
+        start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+        slot = int(state_indices[b])
+        if bool(has_initial_state[b]):
+            state = ssm_states[slot].to(dtype)                         # (H, P, N)
+        else:
+            state = torch.zeros(ssm_states.shape[1:], dtype=dtype, device=x.device)
+        for t in range(start, end):
+            decay = torch.exp(delta[t] * A)                            # (H,)
+            state = decay[:, None, None] * state + torch.einsum("hp,hn->hpn", delta[t, :, None] * x[t], B_h[t])
+            y[t] = torch.einsum("hpn,hn->hp", state, C_h[t])
+        ssm_states[slot] = state.to(ssm_states.dtype)
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * x
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y
+
+
+def selective_state_update_ref(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    z: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """One decode step of the recurrence for a batch of sequences (same equations as ssd_scan_ref).
+
+    ssm_states (S, H, P, N), updated in place; x (B, H, P); dt (B, H); A (H,); B, C (B, G, N); D (H,) or None;
+    dt_bias (H,) or None; z (B, H, P) or None; state_indices (B,); rows with state_indices == pad_slot_id are
+    padding: not read, not written, output zero. Returns y (B, H, P).
+    """
+    n_heads, n_groups = x.shape[1], B.shape[1]
+    dtype = torch.promote_types(x.dtype, ssm_states.dtype)
+    group = group_of_head(n_heads, n_groups, x.device)
+    delta = discretize_dt(dt.to(torch.promote_types(dt.dtype, dtype)), dt_bias, dt_softplus, dt_limit).to(dtype)
+    y = torch.zeros(x.shape, dtype=dtype, device=x.device)             # (B, H, P)
+    for b in range(x.shape[0]):
+        slot = int(state_indices[b])
+        if slot == pad_slot_id:
+            continue
+        xb = x[b].to(dtype)                                            # (H, P)
+        B_h, C_h = B[b].to(dtype)[group], C[b].to(dtype)[group]        # (H, N)
+        decay = torch.exp(delta[b] * A.to(dtype))                      # (H,)
+        state = decay[:, None, None] * ssm_states[slot].to(dtype) \
+            + torch.einsum("hp,hn->hpn", delta[b, :, None] * xb, B_h)  # (H, P, N)
+        ssm_states[slot] = state.to(ssm_states.dtype)
+        yb = torch.einsum("hpn,hn->hp", state, C_h)
+        if D is not None:
+            yb = yb + D.to(dtype)[:, None] * xb
+        if z is not None:
+            yb = yb * F.silu(z[b].to(dtype))
+        y[b] = yb
+    return y
+
+
+def rms_norm_gated_ref(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """Gated RMSNorm over groups of `group_size` channels (Bamba: group size H·P/G, gate before the norm).
+
+    x (T, D·) and gate (T, D·) or None; weight (D·,). norm_before_gate=False: w·rms_g(x·silu(gate));
+    True: w·rms_g(x)·silu(gate). Statistics in at least fp32; returns x's dtype.
+    """
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(dtype)
+    if gate is not None and not norm_before_gate:
+        h = h * F.silu(gate.to(dtype))
+    width = h.shape[-1]
+    if width % group_size:
+        raise ValueError(f"group_size = {group_size} does not divide the width {width}")
+    grouped = h.reshape(*h.shape[:-1], width // group_size, group_size)       # (T, G, D·/G)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    h = grouped.reshape(h.shape) * weight.to(dtype)
+    if gate is not None and norm_before_gate:
+        h = h * F.silu(gate.to(dtype))
+    return h.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rest of the layer: norm, rotary embedding, attention, MLP
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in at least fp32. x (..., D); weight (D,)."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotary_ref(x: torch.Tensor, positions: torch.Tensor, *, rotary_dim: int, theta: float) -> torch.Tensor:
+    """NeoX (rotate-half) RoPE on the first `rotary_dim` dims of each head; the rest pass through.
+
+    x (T, Hx, Dh); positions (T,) absolute token positions. Angles in fp64 for the oracle's sake, whatever x is.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=x.device) / rotary_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]        # (T, R/2)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :].to(x.dtype)   # (T, 1, R)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :].to(x.dtype)
+    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    first, second = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+    rotated = torch.cat([-second, first], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, passthrough], dim=-1)
+
+
+def gqa_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Causal grouped-query attention of new queries over all keys of one sequence.
+
+    q (Tq, Hq, Dh) are the last Tq of the Tk positions whose keys/values are k, v (Tk, Hkv, Dh); query head h reads
+    kv head h // (Hq/Hkv). Returns (Tq, Hq, Dh).
+    """
+    n_q, n_kv = q.shape[1], k.shape[1]
+    kv_of_q = torch.arange(n_q, device=q.device) // (n_q // n_kv)            # (Hq,)
+    k, v = k[:, kv_of_q], v[:, kv_of_q]                                       # (Tk, Hq, Dh)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale                       # (Hq, Tq, Tk)
+    t_q, t_k = q.shape[0], k.shape[0]
+    query_pos = torch.arange(t_k - t_q, t_k, device=q.device)
+    allowed = torch.arange(t_k, device=q.device)[None, :] <= query_pos[:, None]   # (Tq, Tk)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def swiglu_ref(x: torch.Tensor, gate_w, up_w, down_w, gate_b=None, up_b=None, down_b=None) -> torch.Tensor:
+    """Bamba's MLP: down(silu(gate(x)) · up(x)). x (T, D); gate_w, up_w (I, D); down_w (D, I)."""
+    return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)

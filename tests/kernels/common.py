@@ -1,0 +1,58 @@
+"""Shared machinery of the kernel tests: devices, the three-way tolerance, NaN poisoning and untouched-slot checks.
+
+The three-way bound (DESIGN.md §6): a kernel run in dtype d may differ from the fp64 twin by at most k times what
+the twin itself differs by when run in d, plus atol:  |kernel - ref64| <= k·|ref_d - ref64| + atol, element-wise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+
+# Kernels run on the GPU when there is one, else under the Triton interpreter (set up by the root conftest.py).
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+
+
+def assert_three_way(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_low: torch.Tensor, *, k: float,
+                     atol: float) -> None:
+    """Every element: |out - ref64| <= k·|ref_low - ref64| + atol; NaN anywhere fails. Names the worst element."""
+    assert out.shape == ref64.shape == ref_low.shape, f"{name}: shapes {out.shape}, {ref64.shape}, {ref_low.shape}"
+    out64, ref_low64, ref64 = out.double().cpu(), ref_low.double().cpu(), ref64.double().cpu()
+    nan = torch.isnan(out64)
+    assert not nan.any(), f"{name}: {int(nan.sum())} NaN elements, first at {tuple(nan.nonzero()[0].tolist())}"
+    err = (out64 - ref64).abs()
+    budget = k * (ref_low64 - ref64).abs() + atol
+    excess = err - budget
+    if (excess > 0).any():
+        worst = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+        raise AssertionError(
+            f"{name}: {int((excess > 0).sum())} of {err.numel()} elements outside |kernel - ref64| <= "
+            f"{k}·|ref_low - ref64| + {atol}; worst at {worst}: kernel {out64[worst]:.6g}, ref64 {ref64[worst]:.6g}, "
+            f"ref_low {ref_low64[worst]:.6g}, error {err[worst]:.3g} > budget {budget[worst]:.3g}")
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor like t filled with NaN, so any element a kernel forgets to write fails the comparison."""
+    return torch.full_like(t, float("nan"))
+
+
+def poison_slots(pool: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """A copy of a state pool (S, ...) whose slots not in `keep` are NaN: a kernel that reads them spreads NaN."""
+    poisoned = torch.full_like(pool, float("nan"))
+    if keep:
+        idx = torch.tensor(keep, device=pool.device)
+        poisoned[idx] = pool[idx]
+    return poisoned
+
+
+def assert_slots_untouched(name: str, before: torch.Tensor, after: torch.Tensor, touched: list[int]) -> None:
+    """Slots not in `touched` must be bit-identical (NaN compared as equal)."""
+    others = [s for s in range(before.shape[0]) if s not in set(touched)]
+    for s in others:
+        same = (before[s] == after[s]) | (torch.isnan(before[s]) & torch.isnan(after[s]))
+        assert bool(same.all()), f"{name}: slot {s} was not named in the call but changed"
