@@ -185,12 +185,12 @@ class ModelConfig:
             unknown = sorted({t for t in types} - _MAMBA_TYPES - _ATTENTION_TYPES)
             if unknown:
                 raise ConfigError(f"layer_types: unknown layer types {unknown}")
-            from_types = [i for i, t in enumerate(types) if t in _ATTENTION_TYPES]
-            if indices is not None and sorted(indices) != from_types:
-                raise ConfigError(f"attn_layer_indices = {sorted(indices)} contradicts layer_types {from_types}")
             n_layers = raw.get("num_hidden_layers", cls.num_hidden_layers)
             if len(types) != n_layers:
                 raise ConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {n_layers}")
+            from_types = [i for i, t in enumerate(types) if t in _ATTENTION_TYPES]
+            if indices is not None and sorted(indices) != from_types:
+                raise ConfigError(f"attn_layer_indices = {sorted(indices)} contradicts layer_types {from_types}")
             indices = from_types
         kwargs["attn_layer_indices"] = tuple(sorted(indices or ()))
 

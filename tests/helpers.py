@@ -42,6 +42,9 @@ def random_bamba_checkpoint(directory: Path, *, seed: int = 0, **overrides) -> P
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
             elif name.endswith("bias"):
                 param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+            elif name == "lm_head.weight":
+                # 3x the other weights: logits with a spread of a few nats, so next-token choices are clear
+                param.copy_(3 * cfg.initializer_range * torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(cfg.initializer_range * torch.randn(param.shape, generator=gen))
     directory = Path(directory)
