@@ -1,0 +1,70 @@
+"""The engine's memory, allocated once at start: mamba state slots and a paged K/V cache.
+
+StatePool: per mamba layer a conv pool (S+1, C, W-1) and an SSM pool (S+1, H, P, N). Slot S is the pad slot: it
+absorbs nothing and is passed to the kernels as `pad_slot_id`, so padding rows never touch a live request's state.
+A request owns one slot from admission to finish; a slot is zeroed when it is handed out again.
+
+KVCache: per attention layer K and V blocks (num_blocks, block_size, Hkv, Dh); a request owns a list of blocks
+(its block table) that grows as its context does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .weights import EngineModelConfig
+
+
+class StatePool:
+    def __init__(self, cfg: EngineModelConfig, num_slots: int, *, dtype: torch.dtype, state_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.pad_slot = num_slots                                     # the extra, never-owned slot
+        self._free = list(range(num_slots))
+        self.conv = {i: torch.zeros(num_slots + 1, cfg.conv_dim, cfg.d_conv - 1, dtype=dtype, device=device)
+                     for i in cfg.mamba_layers}                       # (S+1, C, W-1)
+        self.ssm = {i: torch.zeros(num_slots + 1, cfg.n_heads, cfg.head_dim, cfg.d_state, dtype=state_dtype,
+                                   device=device) for i in cfg.mamba_layers}   # (S+1, H, P, N)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        slot = self._free.pop(0)
+        for pool in (*self.conv.values(), *self.ssm.values()):
+            pool[slot].zero_()                                        # no state leaks from the previous tenant
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise RuntimeError(f"state slot {slot} freed twice or never allocated")
+        self._free.append(slot)
+
+
+class KVCache:
+    def __init__(self, cfg: EngineModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks))
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.attn_head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in cfg.attn_layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in cfg.attn_layers}
+        self.enabled = bool(cfg.attn_layers)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) if self.enabled else 1 << 60
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size) if self.enabled else 0
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} K/V blocks, {len(self._free)} free")
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)

@@ -1,0 +1,207 @@
+"""LLMEngine: requests in, prompt logprobs and greedy continuations out, one packed step at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .cache import KVCache, StatePool
+from .model import BambaEngineModel, StepBatch
+from .scheduler import Piece, Scheduler, Sequence
+from .weights import load
+
+
+class EngineError(RuntimeError):
+    """A request the engine cannot serve, or an engine that cannot make progress."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_logprobs: list[float]                  # log p(prompt[t] | prompt[:t]) for t = 1..T-1
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_top: list[list[tuple[int, float]]]     # top-k (token, logprob) at each generated step
+    preemptions: int
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(value) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise EngineError(f"dtype: expected one of {sorted(_DTYPES)}, got {value!r}")
+    return _DTYPES[value]
+
+
+class LLMEngine:
+    """A small serving engine for Bamba on the kernels of vendored/ops.
+
+    max_num_batched_tokens: token budget of one step (chunked prefill below the prompt length); max_num_seqs: running
+    sequences at once, and the number of state slots; max_model_len: longest prompt + generation; num_kv_blocks:
+    size of the K/V cache in blocks of block_size tokens (default: enough for every slot at max_model_len; fewer
+    forces preemption); ssm_state_dtype: dtype of the SSM state pool (fp32 default).
+    """
+
+    def __init__(self, checkpoint: str | Path, *, dtype="float32", device="cpu", max_num_batched_tokens: int = 512,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, num_kv_blocks: int | None = None,
+                 block_size: int = 16, ssm_state_dtype="float32", allow_long_context: bool = False) -> None:
+        for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise EngineError(f"{name}: expected a positive integer, got {value!r}")
+        try:
+            self.cfg, tensors = load(checkpoint)
+        except Exception as err:          # noqa: BLE001 - any loading failure becomes one clear engine error
+            raise EngineError(f"cannot load model from {checkpoint}: {err}") from err
+        self.device = torch.device(device)
+        self.dtype = _dtype(dtype)
+        if self.device.type == "cpu" and self.dtype != torch.float32:
+            raise EngineError(f"dtype {dtype}: the Triton interpreter on the CPU runs float32 only")
+        limit = self.cfg.max_position_embeddings
+        self.max_model_len = max_model_len or limit
+        if self.max_model_len > limit and not allow_long_context:
+            raise EngineError(f"max_model_len = {self.max_model_len} exceeds max_position_embeddings = {limit}; "
+                              "pass allow_long_context=True to go beyond")
+        self.states = StatePool(self.cfg, max_num_seqs, dtype=self.dtype, state_dtype=_dtype(ssm_state_dtype),
+                                device=self.device)
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        self.kv = KVCache(self.cfg, num_kv_blocks or max_num_seqs * blocks_per_seq, block_size, dtype=self.dtype,
+                          device=self.device)
+        self.model = BambaEngineModel(self.cfg, tensors, dtype=self.dtype, device=self.device,
+                                      max_positions=self.max_model_len)
+        self.scheduler = Scheduler(self.states, self.kv, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs)
+        self._arrivals = 0
+        self.steps = 0
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int = 0, top_k: int = 5) -> None:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise EngineError(f"request {request_id}: empty prompt")
+        for pos, tok in enumerate(prompt):
+            if not 0 <= tok < self.cfg.vocab_size:
+                raise EngineError(f"request {request_id}: token id {tok} at position {pos} is outside the "
+                                  f"vocabulary [0, {self.cfg.vocab_size})")
+        total = len(prompt) + max_new_tokens
+        if total > self.max_model_len:
+            raise EngineError(f"request {request_id}: prompt of {len(prompt)} tokens + {max_new_tokens} new tokens "
+                              f"exceeds max_model_len = {self.max_model_len}")
+        if self.kv.blocks_for(total) > self.kv.num_blocks:
+            raise EngineError(f"request {request_id}: needs {self.kv.blocks_for(total)} K/V blocks, the cache has "
+                              f"{self.kv.num_blocks}")
+        self.scheduler.add(Sequence(request_id, prompt, max_new_tokens, top_k, self._arrivals,
+                                    prompt_logprobs=[None] * (len(prompt) - 1)))
+        self._arrivals += 1
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        pieces = self.scheduler.schedule()
+        if not pieces:
+            raise EngineError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
+                              f"{len(self.scheduler.running)} running requests")
+        batch, rows = self._build_batch(pieces)
+        logits = self.model.forward(batch, self.states, self.kv)
+        self.steps += 1
+        done = []
+        for piece, (first_row, count) in zip(pieces, rows):
+            self._record(piece, logits[first_row:first_row + count])
+            piece.seq.num_computed += piece.length
+            if piece.seq.finished:
+                self.scheduler.finish(piece.seq)
+                done.append(self._output(piece.seq))
+        return done
+
+    def _build_batch(self, pieces: list[Piece]) -> tuple[StepBatch, list[tuple[int, int]]]:
+        dev, bs = self.device, self.kv.block_size
+        tokens, positions, kv_map, logits_rows, rows, q_start = [], [], [], [], [], [0]
+        for piece in pieces:
+            seq, span = piece.seq, range(piece.start, piece.start + piece.length)
+            base = len(tokens)
+            tokens += [seq.tokens[p] for p in span]
+            positions += list(span)
+            kv_map += [seq.blocks[p // bs] * bs + p % bs for p in span] if self.kv.enabled else []
+            wanted = [i for i, p in enumerate(span) if self._wants_logits(seq, p)]
+            rows.append((len(logits_rows), len(wanted)))
+            logits_rows += [base + i for i in wanted]
+            q_start.append(len(tokens))
+        decodes = [p for p in pieces if p.is_decode]
+        prefills = [p for p in pieces if not p.is_decode]
+        n_blocks = max(1, max(len(p.seq.blocks) for p in pieces))
+        tables = [p.seq.blocks + [0] * (n_blocks - len(p.seq.blocks)) for p in pieces]
+        i32 = dict(dtype=torch.int32, device=dev)
+        batch = StepBatch(
+            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
+            decode_slots=torch.tensor([p.seq.slot for p in decodes], **i32),
+            prefill_cu_seqlens=torch.tensor([0] + [p.length for p in prefills], **i32).cumsum(0, dtype=torch.int32),
+            prefill_slots=torch.tensor([p.seq.slot for p in prefills], **i32),
+            prefill_has_initial_state=torch.tensor([p.start > 0 for p in prefills], dtype=torch.bool, device=dev),
+            query_start=torch.tensor(q_start, dtype=torch.long, device=dev),
+            context_lens=torch.tensor([p.start + p.length for p in pieces], dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            kv_slot_mapping=torch.tensor(kv_map, dtype=torch.long, device=dev),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        return batch, rows
+
+    @staticmethod
+    def _wants_logits(seq: Sequence, pos: int) -> bool:
+        """Logits at pos predict token pos+1: wanted for a prompt logprob not yet recorded, or for the next token."""
+        nxt = pos + 1
+        if nxt < len(seq.prompt):
+            return seq.prompt_logprobs[nxt - 1] is None
+        return nxt == len(seq.tokens) and len(seq.output_ids) < seq.max_new_tokens
+
+    def _record(self, piece: Piece, logits: torch.Tensor) -> None:
+        seq = piece.seq
+        wanted = [p for p in range(piece.start, piece.start + piece.length) if self._wants_logits(seq, p)]
+        logprobs = torch.log_softmax(logits, dim=-1)                                       # (rows, V)
+        for row, pos in enumerate(wanted):
+            nxt = pos + 1
+            if nxt < len(seq.prompt):
+                seq.prompt_logprobs[nxt - 1] = float(logprobs[row, seq.prompt[nxt]])
+            else:
+                top = torch.topk(logprobs[row], max(1, seq.top_k))
+                token = int(top.indices[0])                     # greedy; topk breaks ties by lowest index
+                seq.output_ids.append(token)
+                seq.output_logprobs.append(float(top.values[0]))
+                seq.output_top.append([(int(t), float(v)) for t, v in zip(top.indices, top.values)][:seq.top_k])
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, [float(x) for x in seq.prompt_logprobs], list(seq.output_ids),
+                             list(seq.output_logprobs), list(seq.output_top), seq.preemptions)
+
+    # ---- driving -----------------------------------------------------------------------------------------
+    def generate(self, requests: list[tuple[str, list[int], int]], *, arrivals: dict[int, list] | None = None,
+                 top_k: int = 5, max_steps: int = 1_000_000) -> list[RequestOutput]:
+        """Run requests (id, prompt, max_new_tokens) to completion; arrivals maps a step number to more requests
+        that arrive before that step. Returns outputs in the order the requests were given."""
+        pending = dict(arrivals or {})
+        order = [r[0] for r in requests] + [r[0] for step in sorted(pending) for r in pending[step]]
+        for request_id, prompt, max_new in requests:
+            self.add_request(request_id, prompt, max_new, top_k)
+        results: dict[str, RequestOutput] = {}
+        start = self.steps
+        while self.has_unfinished() or pending:
+            for step in [s for s in pending if s <= self.steps - start]:
+                for request_id, prompt, max_new in pending.pop(step):
+                    self.add_request(request_id, prompt, max_new, top_k)
+            if not self.has_unfinished():
+                self.steps += 1                                    # an idle step until the next arrival
+                continue
+            for out in self.step():
+                results[out.request_id] = out
+            if self.steps - start > max_steps:
+                raise EngineError(f"no completion after {max_steps} steps")
+        return [results[r] for r in order]

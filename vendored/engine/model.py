@@ -1,0 +1,171 @@
+"""Bamba on our kernels: one packed step holds decode tokens first, then prefill pieces of any length.
+
+Mamba layers send decode rows through causal_conv1d_update + selective_state_update and prefill rows through
+causal_conv1d + ssd_scan, all reading and writing the request's state slot. Attention writes the new K/V into the
+paged cache and attends over each sequence's cached context with one masked SDPA call for the whole step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vendored.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from vendored.ops.rms_norm_gated import rms_norm_gated
+from vendored.ops.selective_state_update import selective_state_update
+from vendored.ops.ssd_scan import ssd_scan
+
+from .cache import KVCache, StatePool
+from .weights import EngineModelConfig
+
+
+@dataclass
+class StepBatch:
+    """The tensors of one engine step. T tokens in all: the first `num_decodes` are one token per decoding sequence,
+    the rest are prefill pieces. Sequences are in the same order as their tokens (n_seq = decodes + prefills).
+
+    token_ids, positions (T,); decode_slots (num_decodes,); prefill_cu_seqlens (n_prefill+1,) offsets within the
+    prefill tokens; prefill_slots, prefill_has_initial_state (n_prefill,); query_start (n_seq+1,) offsets of each
+    sequence's tokens in the step; context_lens (n_seq,) tokens in cache after the step; block_tables (n_seq, M);
+    kv_slot_mapping (T,) flat K/V position (block·block_size + offset) of each new token; logits_rows: the rows whose
+    logits are wanted.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    num_decodes: int
+    decode_slots: torch.Tensor
+    prefill_cu_seqlens: torch.Tensor
+    prefill_slots: torch.Tensor
+    prefill_has_initial_state: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    kv_slot_mapping: torch.Tensor
+    logits_rows: torch.Tensor
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class BambaEngineModel:
+    def __init__(self, cfg: EngineModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                 device: torch.device, max_positions: int) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.w = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+        for i in cfg.mamba_layers:
+            p = f"model.layers.{i}.mamba."
+            self.w[p + "A"] = -torch.exp(tensors[p + "A_log"].to(device=device, dtype=torch.float32))
+            self.w[p + "D"] = tensors[p + "D"].to(device=device, dtype=torch.float32)
+            self.w[p + "dt_bias"] = tensors[p + "dt_bias"].to(device=device, dtype=torch.float32)
+            self.w[p + "conv_w"] = self.w[p + "conv1d.weight"][:, 0].contiguous()   # (C, W)
+        # RoPE table from fp64 angles, stored in fp32: positions in the tens of thousands keep their accuracy.
+        R = cfg.rotary_dim
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None]   # (L, R/2)
+        self.cos = torch.cat([angles.cos()] * 2, -1).float().to(device)                        # (L, R)
+        self.sin = torch.cat([angles.sin()] * 2, -1).float().to(device)
+
+    def forward(self, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
+        """Runs the step, updating states and K/V in place. Returns fp32 logits (len(logits_rows), V)."""
+        cfg = self.cfg
+        h = F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])               # (T, D)
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            x = _rms_norm(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            if i in cfg.attn_layers:
+                h = h + self._attention(i, x, batch, kv)
+            else:
+                h = h + self._mamba(i, x, batch, states)
+            x = _rms_norm(h, self.w[p + "pre_ff_layernorm.weight"], cfg.rms_norm_eps)
+            h = h + self._mlp(i, x)
+        h = _rms_norm(h[batch.logits_rows], self.w["model.final_layernorm.weight"], cfg.rms_norm_eps)
+        return F.linear(h, self.w["lm_head.weight"]).float()
+
+    def _linear(self, x, name):
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _mamba(self, i: int, x: torch.Tensor, batch: StepBatch, states: StatePool) -> torch.Tensor:
+        cfg, p = self.cfg, f"model.layers.{i}.mamba."
+        H, P, G, N = cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
+        T, n_dec = x.shape[0], batch.num_decodes
+        zxbcdt = self._linear(x, p + "in_proj")
+        z, xBC, dt = zxbcdt.split([H * P, cfg.conv_dim, H], dim=-1)                        # (T, HP), (T, C), (T, H)
+        conv_pool, ssm_pool = states.conv[i], states.ssm[i]
+        conv_w, conv_b = self.w[p + "conv_w"], self.w.get(p + "conv1d.bias")
+        common = dict(D=self.w[p + "D"], dt_bias=self.w[p + "dt_bias"], z=None, dt_softplus=True,
+                      dt_limit=cfg.time_step_limit)
+        y = torch.empty(T, H, P, dtype=x.dtype, device=x.device)                           # (T, H, P)
+        if n_dec:
+            xbc = causal_conv1d_update(xBC[:n_dec].contiguous(), conv_pool, conv_w, conv_b, batch.decode_slots,
+                                       "silu", pad_slot_id=states.pad_slot)
+            xs, B, C = xbc.split([H * P, G * N, G * N], dim=-1)
+            y[:n_dec] = selective_state_update(
+                ssm_pool, xs.reshape(n_dec, H, P), dt[:n_dec].contiguous(), self.w[p + "A"],
+                B.reshape(n_dec, G, N), C.reshape(n_dec, G, N), state_indices=batch.decode_slots,
+                pad_slot_id=states.pad_slot, **common).to(x.dtype)
+        if T > n_dec:
+            t_pre = T - n_dec
+            xbc = causal_conv1d(xBC[n_dec:].contiguous(), conv_w, conv_b, conv_pool, batch.prefill_cu_seqlens,
+                                batch.prefill_slots, batch.prefill_has_initial_state, "silu")
+            xs, B, C = xbc.split([H * P, G * N, G * N], dim=-1)
+            y[n_dec:] = ssd_scan(
+                xs.reshape(t_pre, H, P).contiguous(), dt[n_dec:].contiguous(), self.w[p + "A"],
+                B.reshape(t_pre, G, N).contiguous(), C.reshape(t_pre, G, N).contiguous(),
+                chunk_size=cfg.chunk_size, cu_seqlens=batch.prefill_cu_seqlens, ssm_states=ssm_pool,
+                state_indices=batch.prefill_slots, has_initial_state=batch.prefill_has_initial_state,
+                **common).to(x.dtype)
+        y = rms_norm_gated(y.reshape(T, H * P), z.contiguous(), self.w[p + "norm.weight"], eps=cfg.rms_norm_eps,
+                           group_size=H * P // G, norm_before_gate=False)
+        return self._linear(y, p + "out_proj")
+
+    def _rope(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """NeoX rotate-half on the first R dims of each head. t (T, heads, Dh)."""
+        R = self.cfg.rotary_dim
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]               # (T, 1, R)
+        rot = t[..., :R].float()
+        half = torch.cat([-rot[..., R // 2:], rot[..., : R // 2]], dim=-1)
+        return torch.cat([(rot * cos + half * sin).to(t.dtype), t[..., R:]], dim=-1)
+
+    def _attention(self, i: int, x: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        cfg, p = self.cfg, f"model.layers.{i}.self_attn."
+        Hq, Hkv, Dh = cfg.num_q_heads, cfg.num_kv_heads, cfg.attn_head_dim
+        q = self._rope(self._linear(x, p + "q_proj").reshape(-1, Hq, Dh), batch.positions)   # (T, Hq, Dh)
+        k = self._rope(self._linear(x, p + "k_proj").reshape(-1, Hkv, Dh), batch.positions)  # (T, Hkv, Dh)
+        v = self._linear(x, p + "v_proj").reshape(-1, Hkv, Dh)
+        k_cache, v_cache = kv.k[i].view(-1, Hkv, Dh), kv.v[i].view(-1, Hkv, Dh)            # (blocks·bs, Hkv, Dh)
+        k_cache.index_copy_(0, batch.kv_slot_mapping, k)
+        v_cache.index_copy_(0, batch.kv_slot_mapping, v)
+
+        # Gather every sequence's context into a padded (n_seq, L, ...) view and attend with one masked call.
+        n_seq = batch.context_lens.shape[0]
+        bs = kv.block_size
+        L = batch.block_tables.shape[1] * bs
+        flat = (batch.block_tables[:, :, None] * bs + torch.arange(bs, device=x.device)).reshape(n_seq, L)
+        key_valid = (torch.arange(L, device=x.device)[None] < batch.context_lens[:, None])[:, :, None, None]
+        # Zero what lies past each context: a masked NaN would still poison the softmax-weighted sum.
+        keys = k_cache[flat].masked_fill(~key_valid, 0.0)                                   # (n_seq, L, Hkv, Dh)
+        values = v_cache[flat].masked_fill(~key_valid, 0.0)
+        q_lens = batch.query_start[1:] - batch.query_start[:-1]                             # (n_seq,)
+        Tq = int(q_lens.max())
+        q_idx = batch.query_start[:-1, None] + torch.arange(Tq, device=x.device)[None]      # (n_seq, Tq)
+        q_valid = torch.arange(Tq, device=x.device)[None] < q_lens[:, None]
+        q_pad = q[q_idx.clamp(max=q.shape[0] - 1)]                                          # (n_seq, Tq, Hq, Dh)
+        q_pos = (batch.context_lens - q_lens)[:, None] + torch.arange(Tq, device=x.device)[None]  # (n_seq, Tq)
+        key_pos = torch.arange(L, device=x.device)
+        allowed = (key_pos[None, None] <= q_pos[:, :, None]) & q_valid[:, :, None]          # (n_seq, Tq, L)
+        allowed[..., 0] |= ~q_valid                    # padding queries see one key, never a row of -inf
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed[:, None],
+            scale=Dh ** -0.5, enable_gqa=True)                                              # (n_seq, Hq, Tq, Dh)
+        out = out.transpose(1, 2)[q_valid]                                                  # (T, Hq, Dh)
+        return self._linear(out.reshape(-1, Hq * Dh), p + "o_proj")
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}.feed_forward."
+        return self._linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"), p + "down_proj")

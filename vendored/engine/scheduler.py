@@ -1,0 +1,133 @@
+"""FCFS continuous batching with a token budget per step.
+
+Each step: every running sequence that is decoding gets its one token first; then running sequences still in prefill
+get pieces in arrival order; then waiting sequences are admitted (a state slot, K/V blocks) while the budget, the slot
+pool and max_num_seqs allow. A piece may be any length from 1 up to what is left of the budget, so one step can hold
+several requests' prefill pieces next to many decodes. A one-token piece of a prompt is still a prefill.
+
+When a sequence needs a K/V block and none is free, the most recently admitted other sequence is preempted: its slot
+and blocks are freed and it goes back to the front of the queue, to be recomputed from its tokens later (results are
+unchanged; its prompt logprobs already recorded are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .cache import KVCache, StatePool
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    top_k: int
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    num_computed: int = 0            # tokens whose state and K/V are in the cache
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output_ids
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prompt fully computed and exactly one token (the last generated) not yet fed."""
+        return self.num_computed >= len(self.prompt) and len(self.tokens) - self.num_computed == 1
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output_ids) >= self.max_new_tokens and self.num_computed >= len(self.prompt)
+
+
+@dataclass
+class Piece:
+    seq: Sequence
+    start: int                       # first position fed in this step
+    length: int
+    is_decode: bool
+
+
+class Scheduler:
+    def __init__(self, states: StatePool, kv: KVCache, *, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.states, self.kv = states, kv
+        self.budget, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow_blocks(self, seq: Sequence, new_tokens: int) -> bool:
+        """Give seq enough K/V blocks for new_tokens more; preempt younger sequences if needed."""
+        need = self.kv.blocks_for(seq.num_computed + new_tokens) - len(seq.blocks)
+        while need > self.kv.num_free:
+            victims = [s for s in self.running if s is not seq]
+            if not victims:
+                return False
+            self.preempt(max(victims, key=lambda s: s.arrival))
+        if need > 0:
+            seq.blocks += self.kv.allocate(need)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.release(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.states.free(seq.slot)
+            seq.slot = None
+        self.kv.free(seq.blocks)
+        seq.blocks = []
+
+    def schedule(self) -> list[Piece]:
+        """The pieces of the next step: decodes first, then prefill pieces. Empty only when nothing can run."""
+        left = self.budget
+        decodes, prefills = [], []
+        for seq in list(self.running):
+            if left == 0:
+                break
+            if seq in self.running and seq.is_decoding and self._grow_blocks(seq, 1):
+                decodes.append(Piece(seq, seq.num_computed, 1, True))
+                left -= 1
+        for seq in list(self.running):
+            if left == 0:
+                break
+            if seq not in self.running or seq.is_decoding:
+                continue
+            n = min(left, len(seq.tokens) - seq.num_computed)
+            if n > 0 and self._grow_blocks(seq, n):
+                prefills.append(Piece(seq, seq.num_computed, n, False))
+                left -= n
+        while self.waiting and left > 0 and self.states.num_free and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(left, len(seq.tokens))
+            if self.kv.blocks_for(n) > self.kv.num_free:
+                break                                               # wait for running sequences to free blocks
+            self.waiting.popleft()
+            seq.slot = self.states.allocate()
+            seq.blocks = self.kv.allocate(self.kv.blocks_for(n))
+            self.running.append(seq)
+            prefills.append(Piece(seq, 0, n, False))
+            left -= n
+        # Preemption may have removed a sequence after its piece was planned: drop such pieces.
+        return [p for p in decodes + prefills if p.seq in self.running]
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.release(seq)

@@ -1,0 +1,116 @@
+"""Load a Bamba checkpoint for the engine: the config through transformers (as real engines do), the tensors from
+safetensors. Deliberately separate from reference/checkpoint.py: code shared with the oracle would share its bugs."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class LoadError(RuntimeError):
+    """The checkpoint cannot be served: a missing directory, file or tensor, or a tensor of the wrong shape."""
+
+
+@dataclass(frozen=True)
+class EngineModelConfig:
+    """The sizes the engine needs, with the glossary's letters (DESIGN.md §2)."""
+
+    vocab_size: int            # V
+    hidden_size: int           # D
+    num_layers: int
+    attn_layers: tuple[int, ...]
+    n_heads: int               # H
+    head_dim: int              # P
+    n_groups: int              # G
+    d_state: int               # N
+    d_conv: int                # W
+    chunk_size: int            # Q
+    num_q_heads: int           # Hq
+    num_kv_heads: int          # Hkv
+    attn_head_dim: int         # Dh
+    rotary_dim: int            # R
+    rope_theta: float
+    rms_norm_eps: float
+    time_step_limit: tuple[float, float]
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def conv_dim(self) -> int:
+        return self.n_heads * self.head_dim + 2 * self.n_groups * self.d_state
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.attn_layers)
+
+
+def read_config(path: Path) -> EngineModelConfig:
+    if not (path / "config.json").is_file():
+        raise LoadError(f"{path}: no config.json (is this a checkpoint directory?)")
+    from transformers import BambaConfig
+
+    hf = BambaConfig.from_pretrained(str(path))
+    rope = hf.rope_parameters or {}
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    limit = tuple(float(v) for v in (hf.time_step_limit or (0.0, math.inf)))
+    return EngineModelConfig(
+        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
+        attn_layers=tuple(sorted(hf.attn_layer_indices or ())), n_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head,
+        n_groups=hf.mamba_n_groups, d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv, chunk_size=hf.mamba_chunk_size,
+        num_q_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads, attn_head_dim=head_dim,
+        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.5)), rope_theta=float(rope.get("rope_theta", 1e4)),
+        rms_norm_eps=hf.rms_norm_eps, time_step_limit=limit, tie_word_embeddings=bool(hf.tie_word_embeddings),
+        max_position_embeddings=hf.max_position_embeddings,
+    )
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        raise LoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for file in files:
+        if not file.is_file():
+            raise LoadError(f"{file}: listed in the index but missing")
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def load(path: str | Path) -> tuple[EngineModelConfig, dict[str, torch.Tensor]]:
+    path = Path(path)
+    if not path.is_dir():
+        raise LoadError(f"{path}: checkpoint directory does not exist")
+    cfg = read_config(path)
+    tensors = read_tensors(path)
+    if cfg.tie_word_embeddings:
+        tensors.setdefault("lm_head.weight", tensors.get("model.embed_tokens.weight"))
+    HP = cfg.n_heads * cfg.head_dim
+    need = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": None,
+            "model.final_layernorm.weight": (cfg.hidden_size,)}
+    for i in cfg.mamba_layers:
+        need[f"model.layers.{i}.mamba.in_proj.weight"] = (HP + cfg.conv_dim + cfg.n_heads, cfg.hidden_size)
+        need[f"model.layers.{i}.mamba.conv1d.weight"] = (cfg.conv_dim, 1, cfg.d_conv)
+        need[f"model.layers.{i}.mamba.out_proj.weight"] = (cfg.hidden_size, HP)
+        need[f"model.layers.{i}.mamba.norm.weight"] = (HP,)
+        for name in ("A_log", "D", "dt_bias"):
+            need[f"model.layers.{i}.mamba.{name}"] = (cfg.n_heads,)
+    for i in cfg.attn_layers:
+        need[f"model.layers.{i}.self_attn.q_proj.weight"] = (cfg.num_q_heads * cfg.attn_head_dim, cfg.hidden_size)
+        need[f"model.layers.{i}.self_attn.k_proj.weight"] = (cfg.num_kv_heads * cfg.attn_head_dim, cfg.hidden_size)
+    for key, shape in need.items():
+        if tensors.get(key) is None:
+            raise LoadError(f"{key}: missing from the checkpoint")
+        if shape is not None and tuple(tensors[key].shape) != shape:
+            raise LoadError(f"{key}: expected shape {shape}, got {tuple(tensors[key].shape)}")
+    return cfg, tensors
