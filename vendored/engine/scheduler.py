@@ -5,7 +5,8 @@ get pieces in arrival order; then waiting sequences are admitted (a state slot, 
 pool and max_num_seqs allow. A piece may be any length from 1 up to what is left of the budget, so one step can hold
 several requests' prefill pieces next to many decodes. A one-token piece of a prompt is still a prefill.
 
-When a sequence needs a K/V block and none is free, the most recently admitted other sequence is preempted: its slot
+When a sequence needs a K/V block and none is free, the most recently arrived running sequence (possibly the one
+asking) is preempted: its slot
 and blocks are freed and it goes back to the front of the queue, to be recomputed from its tokens later (results are
 unchanged; its prompt logprobs already recorded are kept).
 """
@@ -73,10 +74,10 @@ class Scheduler:
         """Give seq enough K/V blocks for new_tokens more; preempt younger sequences if needed."""
         need = self.kv.blocks_for(seq.num_computed + new_tokens) - len(seq.blocks)
         while need > self.kv.num_free:
-            victims = [s for s in self.running if s is not seq]
-            if not victims:
+            victim = max(self.running, key=lambda s: s.arrival)     # the youngest goes, possibly seq itself
+            self.preempt(victim)
+            if victim is seq:
                 return False
-            self.preempt(max(victims, key=lambda s: s.arrival))
         if need > 0:
             seq.blocks += self.kv.allocate(need)
         return True

@@ -1,0 +1,94 @@
+"""The vendored engine's scheduler alone (no model): budgets, ordering, slots, K/V blocks and preemption."""
+
+import torch
+
+from vendored.engine.cache import KVCache, StatePool
+from vendored.engine.scheduler import Scheduler, Sequence
+from vendored.engine.weights import EngineModelConfig
+
+CFG = EngineModelConfig(
+    vocab_size=50, hidden_size=8, num_layers=2, attn_layers=(1,), n_heads=2, head_dim=4, n_groups=1, d_state=4,
+    d_conv=4, chunk_size=8, num_q_heads=2, num_kv_heads=1, attn_head_dim=4, rotary_dim=2, rope_theta=1e4,
+    rms_norm_eps=1e-5, time_step_limit=(0.0, float("inf")), tie_word_embeddings=False, max_position_embeddings=64)
+
+
+def _scheduler(budget, slots=4, blocks=64, block_size=4, max_num_seqs=None):
+    states = StatePool(CFG, slots, dtype=torch.float32, state_dtype=torch.float32, device=torch.device("cpu"))
+    kv = KVCache(CFG, blocks, block_size, dtype=torch.float32, device=torch.device("cpu"))
+    return Scheduler(states, kv, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs or slots)
+
+
+def _seq(i, n, new=3):
+    return Sequence(f"r{i}", list(range(1, n + 1)), new, 5, i, prompt_logprobs=[None] * (n - 1))
+
+
+def _advance(sched, pieces, generate=True):
+    """What the engine does after a step: count computed tokens, append a token where one is produced."""
+    for p in pieces:
+        p.seq.num_computed += p.length
+        if generate and p.seq.num_computed == len(p.seq.tokens) and len(p.seq.output_ids) < p.seq.max_new_tokens:
+            p.seq.output_ids.append(7)
+        if p.seq.finished:
+            sched.finish(p.seq)
+
+
+def test_budget_splits_prompts_into_pieces_of_any_length():
+    sched = _scheduler(budget=5)
+    for i, n in enumerate([7, 3]):
+        sched.add(_seq(i, n))
+    first = sched.schedule()
+    assert [(p.seq.request_id, p.start, p.length) for p in first] == [("r0", 0, 5)]
+    _advance(sched, first)
+    second = sched.schedule()
+    assert [(p.seq.request_id, p.start, p.length, p.is_decode) for p in second] == [
+        ("r0", 5, 2, False), ("r1", 0, 3, False)]
+
+
+def test_decodes_come_first_then_prefill_pieces_share_the_step():
+    sched = _scheduler(budget=4)
+    sched.add(_seq(0, 2))
+    _advance(sched, sched.schedule())                      # r0's prompt done: it now decodes
+    sched.add(_seq(1, 9))
+    sched.add(_seq(2, 9))
+    step = sched.schedule()
+    assert [(p.seq.request_id, p.length, p.is_decode) for p in step] == [("r0", 1, True), ("r1", 3, False)]
+
+
+def test_a_one_token_prompt_piece_is_a_prefill():
+    sched = _scheduler(budget=1)
+    sched.add(_seq(0, 3))
+    pieces = sched.schedule()
+    assert pieces[0].length == 1 and not pieces[0].is_decode
+    _advance(sched, pieces)
+    nxt = sched.schedule()[0]
+    assert (nxt.start, nxt.length, nxt.is_decode) == (1, 1, False)
+
+
+def test_max_num_seqs_and_slots_bound_admission_and_slots_are_reused():
+    sched = _scheduler(budget=100, slots=2)
+    for i in range(3):
+        sched.add(_seq(i, 2, new=1))
+    step = sched.schedule()
+    assert [p.seq.request_id for p in step] == ["r0", "r1"]
+    slots = {p.seq.slot for p in step}
+    sched.states.conv[0][list(slots)] = 5.0                # dirty the slots the finished requests leave behind
+    _advance(sched, step)                                  # both finish (one new token each)
+    third = sched.schedule()
+    assert [p.seq.request_id for p in third] == ["r2"] and third[0].seq.slot in slots
+    assert torch.equal(sched.states.conv[0][third[0].seq.slot], torch.zeros(CFG.conv_dim, 3)), "slot not reset"
+
+
+def test_preemption_frees_the_youngest_and_recomputes_it_later():
+    sched = _scheduler(budget=100, blocks=3, block_size=4)    # 12 tokens of K/V for everyone
+    sched.add(_seq(0, 4, new=6))
+    sched.add(_seq(1, 4, new=6))
+    _advance(sched, sched.schedule())                         # both prompts in: one block each, one block free
+    _advance(sched, sched.schedule())                         # r0 takes the free block; r1 needs one too: r1 goes
+    preempted = list(sched.waiting)
+    assert [s.request_id for s in preempted] == ["r1"] and preempted[0].preemptions == 1
+    assert preempted[0].num_computed == 0 and preempted[0].slot is None and preempted[0].blocks == []
+    assert preempted[0].output_ids == [7], "tokens generated before preemption are kept and recomputed"
+    while sched.running:
+        _advance(sched, sched.schedule())
+    step = sched.schedule()
+    assert [(p.seq.request_id, p.start, p.length) for p in step] == [("r1", 0, 5)]
