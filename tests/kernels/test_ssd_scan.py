@@ -1,0 +1,321 @@
+"""The SSD chunked scan kernel (vendored/ops/ssd_scan.py) against its sequential twin (reference.ops.ssd_scan_ref).
+
+Every element of y and of every final state is held to the three-way bound of tests/kernels/common.py,
+|kernel - ref64| <= K·|ref_low - ref64| + atol (ATOL_Y, ATOL_STATE): ref64 is the twin on the same inputs in fp64,
+ref_low the twin on the kernel's own inputs (x, B, C, z in the kernel's dtype) with an fp32 state pool, its results
+rounded to the dtypes the kernel stores (y in x's dtype, final states in the pool's dtype).
+Slots: sequence b of B uses slot 2(B-1-b)+1 of a pool of 2B+1, so named slots run backwards with an unused slot
+between neighbours; before each call every slot that is not some sequence's initial state is NaN, and the slots not
+named must come back bit-identical.
+CPU runs go through the Triton interpreter in fp32 at small shapes (H=4, P=16, N=16, Q=16); the `gpu` tests run
+bf16/fp16/fp32 at Bamba-9B shapes, and one past 70K tokens against a chunked fp64 twin written below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reference.ops import discretize_dt, group_of_head, ssd_scan_ref
+from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
+from vendored.ops.ssd_scan import ssd_scan
+
+K = 2.0
+# atol: the floor of the bound where ref_low happens to land on ref64. The kernel sums in another order than the
+# sequential twin (chunks, tl.dot), so its fp32 noise is of the twin's size but not element-wise below 2x of it; and a
+# 16-bit y rounds to the other neighbour where that noise straddles a rounding midpoint. Measured as the largest
+# |kernel - ref64| - K·|ref_low - ref64| over all cases: y fp32 2.7e-6 (CPU shapes), 5.1e-5 (Bamba-9B, |y| <= 154,
+# H200); y bf16 6.6e-6 (72K tokens, |y| <= 253); y fp16 1.5e-5; final states 7.1e-7 (fp32 pool), 1e-7 (bf16 pool).
+ATOL_Y = {torch.float32: 1e-4, torch.bfloat16: 2e-5, torch.float16: 4e-5}
+ATOL_STATE = 2e-6
+
+# The Triton interpreter (CPU) itself converts one-element arrays to loop bounds in a way numpy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+BAMBA_9B = dict(n_heads=128, head_dim=64, d_state=128, n_groups=1, chunk_size=256)
+
+
+@dataclass(frozen=True)
+class Case:
+    lengths: tuple[int, ...]
+    initial: str = "mixed"          # which sequences start from their slot: "all", "none", "mixed" (b % 3 != 2)
+    n_heads: int = 4
+    head_dim: int = 16
+    d_state: int = 16
+    n_groups: int = 2
+    chunk_size: int = 16
+    has_z: bool = True
+    has_D: bool = True
+    has_dt_bias: bool = True
+    dt_softplus: bool = True
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+
+
+def slots_of(n_seqs: int) -> list[int]:
+    return [2 * (n_seqs - 1 - b) + 1 for b in range(n_seqs)]
+
+
+def initial_of(case: Case) -> list[bool]:
+    return [{"all": True, "none": False, "mixed": b % 3 != 2}[case.initial] for b in range(len(case.lengths))]
+
+
+def make_inputs(case: Case, dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0):
+    """(x, dt, A, B, C), the keyword arguments but ssm_states, and a random pool (2B+1, H, P, N) on DEVICE."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    n_tokens, n_seqs = sum(case.lengths), len(case.lengths)
+    H, P, N, G = case.n_heads, case.head_dim, case.d_state, case.n_groups
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen, device=DEVICE)
+
+    x, B, C, z = randn(n_tokens, H, P), randn(n_tokens, G, N), randn(n_tokens, G, N), randn(n_tokens, H, P)
+    if case.dt_softplus:            # Δ = softplus(dt + dt_bias) mostly in 0.05 .. 0.5
+        dt, dt_bias = 0.5 * randn(n_tokens, H), rand(H) * 2.0 - 3.0
+    else:
+        dt, dt_bias = 0.02 + 0.3 * rand(n_tokens, H), 0.1 * rand(H)
+    A = -(0.5 + 3.5 * rand(H))      # per-step decay exp(Δ·A) from ~0.998 to ~0.2: some heads remember past chunks
+    D = randn(H)
+    cu_seqlens = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pool = randn(2 * n_seqs + 1, H, P, N).to(state_dtype)
+    kwargs = dict(
+        chunk_size=case.chunk_size, D=D if case.has_D else None, dt_bias=dt_bias if case.has_dt_bias else None,
+        z=z.to(dtype) if case.has_z else None, cu_seqlens=cu_seqlens,
+        state_indices=torch.tensor(slots_of(n_seqs), dtype=torch.int32, device=DEVICE),
+        has_initial_state=torch.tensor(initial_of(case), device=DEVICE),
+        dt_softplus=case.dt_softplus, dt_limit=case.dt_limit,
+    )
+    return (x.to(dtype), dt, A, B.to(dtype), C.to(dtype)), kwargs, pool
+
+
+def as_dtype(value, dtype: torch.dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def run_twin(twin, args, kwargs, pool: torch.Tensor, dtype: torch.dtype | None):
+    """The twin on the inputs cast to `dtype` (None: as they are) with a copy of the pool in `dtype` (None: fp32)."""
+    if dtype is not None:
+        args, kwargs = [as_dtype(a, dtype) for a in args], {k: as_dtype(v, dtype) for k, v in kwargs.items()}
+    states = pool.to(dtype or torch.float32).clone()
+    return twin(*args, ssm_states=states, **kwargs), states
+
+
+def check_call(case: Case, args, kwargs, pool: torch.Tensor, twin=ssd_scan_ref) -> None:
+    """Run the kernel on NaN-poisoned state slots; check y, every final state and every slot not named."""
+    dtype, state_dtype = args[0].dtype, pool.dtype
+    slots = slots_of(len(case.lengths))
+    poisoned = poison_slots(pool, keep=[s for s, init in zip(slots, initial_of(case)) if init])
+    states = poisoned.clone()
+    y = ssd_scan(*args, ssm_states=states, **kwargs)
+    y64, states64 = run_twin(twin, args, kwargs, poisoned, torch.float64)
+    y_low, states_low = run_twin(twin, args, kwargs, poisoned, None)
+
+    assert y.dtype == dtype, f"y: expected dtype {dtype}, got {y.dtype}"
+    starts = kwargs["cu_seqlens"].tolist()
+    for b, slot in enumerate(slots):           # per sequence: smaller host copies, and the message names it
+        tokens = slice(starts[b], starts[b + 1])
+        assert_three_way(f"y of sequence {b}", y[tokens], y64[tokens], y_low[tokens].to(dtype), k=K,
+                         atol=ATOL_Y[dtype])
+        assert_three_way(f"final state of sequence {b} (slot {slot})", states[slot], states64[slot],
+                         states_low[slot].to(state_dtype), k=K, atol=ATOL_STATE)
+    assert_slots_untouched("ssm_states", poisoned, states, touched=slots)
+
+
+def check_against_twin(case: Case, dtype: torch.dtype = torch.float32,
+                       state_dtype: torch.dtype = torch.float32) -> None:
+    check_call(case, *make_inputs(case, dtype, state_dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU (Triton interpreter, fp32) and GPU alike: small shapes, every boundary class
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_tokens", [
+    pytest.param(1, id="T1"), pytest.param(3, id="T3-W-1"), pytest.param(15, id="T15-Q-1"),
+    pytest.param(16, id="T16-Q"), pytest.param(17, id="T17-Q+1"), pytest.param(70, id="T70-five-chunks"),
+])
+def test_one_sequence_with_initial_state(n_tokens):
+    check_against_twin(Case(lengths=(n_tokens,), initial="all"))
+
+
+PACKED = {
+    "inside-chunks": (5, 20, 9, 30, 7),           # boundaries at 5, 25, 34, 64: all strictly inside chunks
+    "chunk-edges": (15, 1, 1, 15, 17),            # boundaries at Q-1, Q, Q+1, 2Q, 3Q+1
+    "length-1-seqs": (1, 20, 1, 1, 13, 1),
+    "two-long": (31, 33),                          # boundary at 2Q-1, each sequence spans three chunks
+}
+
+
+@pytest.mark.parametrize("layout", list(PACKED))
+def test_packed_sequences_mixed_initial_states(layout):
+    check_against_twin(Case(lengths=PACKED[layout], initial="mixed"))
+
+
+@pytest.mark.parametrize("initial", ["none", "all"])
+def test_packed_sequences_all_or_no_initial_states(initial):
+    check_against_twin(Case(lengths=PACKED["inside-chunks"], initial=initial))
+
+
+@pytest.mark.parametrize("n_groups", [pytest.param(1, id="G1"), pytest.param(4, id="G4-equals-H")])
+def test_groups(n_groups):
+    # G=2 (two heads per group, where interleaved and tiled differ) is the default of every other case
+    check_against_twin(Case(lengths=PACKED["inside-chunks"], n_groups=n_groups))
+
+
+@pytest.mark.parametrize("missing", ["z", "D", "dt_bias"])
+def test_without_optional_input(missing):
+    check_against_twin(Case(lengths=PACKED["chunk-edges"], **{f"has_{missing}": False}))
+
+
+def test_dt_limit_clamps_both_ends():
+    case = Case(lengths=PACKED["chunk-edges"], dt_limit=(0.1, 0.3))
+    (_, dt, _, _, _), kwargs, _ = make_inputs(case, torch.float32, torch.float32)
+    unclamped = discretize_dt(dt, kwargs["dt_bias"], True, (0.0, math.inf))
+    assert (unclamped < 0.1).any() and (unclamped > 0.3).any(), "the limit must clamp for this test to mean anything"
+    check_against_twin(case)
+
+
+def test_dt_without_softplus():
+    check_against_twin(Case(lengths=PACKED["chunk-edges"], dt_softplus=False))
+
+
+@pytest.mark.parametrize("chunk_size", [
+    pytest.param(8, id="Q8-below-block"), pytest.param(24, id="Q24-not-power-of-2"),
+    pytest.param(128, id="Q128-two-row-blocks"),
+])
+def test_chunk_sizes(chunk_size):
+    check_against_twin(Case(lengths=(70, 150), chunk_size=chunk_size))
+
+
+def test_empty_sequence_stores_its_initial_state_or_zeros():
+    # sequence 1 is empty with an initial state (stored back unchanged), sequence 2 empty without one (zeros)
+    check_against_twin(Case(lengths=(5, 0, 0, 12), initial="mixed"))
+
+
+def projection_views(x, dt, B, C, z, row: int | None = None):
+    """Copies of x, dt, B, C, z side by side in one (T, row) buffer laid out like an in_proj output
+    [z | x | B | C | dt | unused], returned as views of it: (x, dt, B, C, z), token stride `row`, in x's dtype."""
+    H, P = x.shape[1:]
+    widths = [H * P, H * P, B[0].numel(), C[0].numel(), H]
+    buffer = torch.empty(x.shape[0], row or sum(widths), dtype=x.dtype, device=x.device)     # (T, row)
+    used = buffer[:, : sum(widths)]
+    used.copy_(torch.cat([z.flatten(1), x.flatten(1), B.flatten(1), C.flatten(1), dt.to(x.dtype)], dim=1))
+    z_v, x_v, B_v, C_v, dt_v = used.split(widths, dim=1)
+    return (x_v.unflatten(1, (H, P)), dt_v, B_v.unflatten(1, B.shape[1:]), C_v.unflatten(1, C.shape[1:]),
+            z_v.unflatten(1, (H, P)))
+
+
+def test_strided_inputs_from_one_projection():
+    """x, z, B, C and dt as column views of one in_proj output, as an engine passes them: same y, same states."""
+    case = Case(lengths=PACKED["inside-chunks"])
+    (x, dt, A, B, C), kwargs, pool = make_inputs(case, torch.float32, torch.float32)
+    x_v, dt_v, B_v, C_v, z_v = projection_views(x, dt, B, C, kwargs["z"])
+    assert not x_v.is_contiguous()
+    states_strided, states = pool.clone(), pool.clone()
+    y_strided = ssd_scan(x_v, dt_v, A, B_v, C_v, ssm_states=states_strided, **{**kwargs, "z": z_v})
+    y = ssd_scan(x, dt, A, B, C, ssm_states=states, **kwargs)
+    assert torch.equal(y_strided, y)
+    assert torch.equal(states_strided, states)
+
+
+def test_rejects_groups_that_do_not_divide_heads():
+    args, kwargs, pool = make_inputs(Case(lengths=(4,), n_groups=3, n_heads=4), torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="G = 3"):
+        ssd_scan(*args, ssm_states=pool, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A chunked fp64 twin for inputs too long for the sequential one, checked against it here
+# ---------------------------------------------------------------------------------------------------------------
+
+def ssd_scan_chunked_torch(x, dt, A, B, C, *, chunk_size, D, dt_bias, z, cu_seqlens, ssm_states, state_indices,
+                           has_initial_state, dt_softplus=True, dt_limit=(0.0, math.inf)):
+    """ssd_scan_ref's equations by the chunked algorithm in plain torch, in the promoted dtype of x and the pool.
+
+    Chunks are cut from each sequence's start. Exact up to rounding; fast enough on a GPU for 100K tokens.
+    """
+    n_heads, n_groups = x.shape[1], B.shape[1]
+    dtype = torch.promote_types(x.dtype, ssm_states.dtype)
+    group = group_of_head(n_heads, n_groups, x.device)                               # (H,)
+    delta = discretize_dt(dt.to(dtype), dt_bias, dt_softplus, dt_limit).to(dtype)     # (T, H)
+    A = A.to(dtype)
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)                            # (T, H, P)
+    starts = cu_seqlens.tolist()
+    for b, slot in enumerate(state_indices.tolist()):
+        if bool(has_initial_state[b]):
+            state = ssm_states[slot].to(dtype)                                        # (H, P, N)
+        else:
+            state = torch.zeros(ssm_states.shape[1:], dtype=dtype, device=x.device)
+        for c0 in range(starts[b], starts[b + 1], chunk_size):
+            tok = slice(c0, min(c0 + chunk_size, starts[b + 1]))
+            x_c = x[tok].to(dtype)                                                    # (L, H, P)
+            B_c, C_c = B[tok].to(dtype)[:, group], C[tok].to(dtype)[:, group]         # (L, H, N)
+            dx = delta[tok, :, None] * x_c                                            # (L, H, P)
+            cs = torch.cumsum(delta[tok] * A, dim=0)                                  # (L, H)
+            causal = torch.ones(len(cs), len(cs), dtype=torch.bool, device=x.device).tril()   # (L, L)
+            decay = torch.exp((cs[:, None] - cs[None, :]).masked_fill(~causal[..., None], -math.inf))  # (L, L, H)
+            scores = torch.einsum("thn,shn->tsh", C_c, B_c) * decay                   # (L, L, H)
+            y[tok] = torch.einsum("tsh,shp->thp", scores, dx) \
+                + torch.einsum("thn,hpn->thp", C_c, state) * torch.exp(cs)[..., None]
+            to_end = torch.exp(cs[-1] - cs)                                            # (L, H)
+            state = torch.exp(cs[-1])[:, None, None] * state \
+                + torch.einsum("sh,shp,shn->hpn", to_end, dx, B_c)                   # (H, P, N)
+        ssm_states[slot] = state.to(ssm_states.dtype)
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * x.to(dtype)
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y
+
+
+def test_chunked_torch_twin_matches_sequential_twin():
+    case = Case(lengths=PACKED["chunk-edges"] + PACKED["inside-chunks"])
+    args, kwargs, pool = make_inputs(case, torch.float32, torch.float32)
+    y_seq, states_seq = run_twin(ssd_scan_ref, args, kwargs, pool, torch.float64)
+    y_chunked, states_chunked = run_twin(ssd_scan_chunked_torch, args, kwargs, pool, torch.float64)
+    torch.testing.assert_close(y_chunked, y_seq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(states_chunked, states_seq, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: Bamba-9B shapes in 16-bit and fp32, and a long input whose offsets pass 2^31
+# ---------------------------------------------------------------------------------------------------------------
+
+def random_lengths(n_tokens: int, n_seqs: int, seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randperm(n_tokens - 1, generator=gen)[: n_seqs - 1].add(1).tolist())
+    return tuple(b - a for a, b in zip([0, *cuts], [*cuts, n_tokens]))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype, state_dtype, n_tokens", [
+    pytest.param(torch.bfloat16, torch.float32, 2048, id="bf16-state_fp32-T2048"),
+    pytest.param(torch.bfloat16, torch.float32, 8192, id="bf16-state_fp32-T8192"),
+    pytest.param(torch.bfloat16, torch.bfloat16, 8192, id="bf16-state_bf16-T8192"),
+    pytest.param(torch.float16, torch.float32, 8192, id="fp16-state_fp32-T8192"),
+    pytest.param(torch.float16, torch.bfloat16, 2048, id="fp16-state_bf16-T2048"),
+    pytest.param(torch.float32, torch.float32, 4096, id="fp32-state_fp32-T4096"),
+])
+def test_bamba_9b_shapes(dtype, state_dtype, n_tokens):
+    check_against_twin(Case(lengths=random_lengths(n_tokens, 8, seed=n_tokens), **BAMBA_9B), dtype, state_dtype)
+
+
+@gpu
+@needs_gpu
+def test_long_input_offsets_past_int32():
+    """72,000 tokens with x, z, B, C, dt as views of one bf16 buffer whose rows are 32,768 wide: token offsets reach
+    72,000·32,768 > 2^31, so any pointer offset computed in int32 lands elsewhere. Against the chunked torch twin."""
+    case = Case(lengths=random_lengths(72_000, 8, seed=7), **BAMBA_9B)
+    n_tokens, row = sum(case.lengths), 32_768
+    assert n_tokens * row > 2**31
+    (x, dt, A, B, C), kwargs, pool = make_inputs(case, torch.bfloat16, torch.float32)
+    x_v, dt_v, B_v, C_v, kwargs["z"] = projection_views(x, dt, B, C, kwargs["z"], row=row)
+    del x, dt, B, C
+    check_call(case, (x_v, dt_v, A, B_v, C_v), kwargs, pool, twin=ssd_scan_chunked_torch)

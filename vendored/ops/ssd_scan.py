@@ -1,0 +1,399 @@
+"""The SSD chunked scan: Mamba2's selective state-space recurrence over packed variable-length input, forward only.
+
+Twin: `reference.ops.ssd_scan_ref` (same signature; see its docstring for the equations). Per head h (group
+g = h // (H/G)) and token t of a sequence:
+    Δ_t = clamp(softplus(dt_t + dt_bias_h), dt_limit)
+    S_t = exp(Δ_t·A_h)·S_{t-1} + Δ_t·x_t ⊗ B_t        y_t = S_t·C_t + D_h·x_t,  then y_t·silu(z_t)
+
+The chunked (state-space dual) algorithm computes the same thing in blocks of Q tokens. Here the blocks are
+*logical chunks*: every sequence is cut into pieces of at most Q tokens counted from its own first token, so no
+chunk ever holds two sequences, every cumulative decay starts at the sequence's start by construction, and a
+sequence boundary may fall anywhere in the packed token axis. Four stages, one kernel each:
+
+  1. chunk cumsum   Δ, and cs_t = Σ_{s≤t} Δ_s·A_h within the chunk.
+  2. chunk state    The chunk's own final state from zero: Σ_t exp(cs_last - cs_t)·Δ_t·x_t ⊗ B_t.
+  3. state passing  Per sequence, walk its chunks in order from its initial state (or zeros); keep the state entering
+                    each chunk, S_in; write the final state to the sequence's slot.
+  4. chunk scan     y_t = exp(cs_t)·C_t·S_in + Σ_{s≤t} exp(cs_t - cs_s)·(C_t·B_s)·Δ_s·x_s + D·x_t,
+                    then ·silu(z_t).
+Grids: (NC, H/BLOCK_H); (NC, H, P/BLOCK_P · N/BLOCK_N); (B, H, P/BLOCK_P · N/BLOCK_N);
+(NC · Q/BLOCK_M, H, P/BLOCK_P), with NC = T // Q + B, a bound on the number of logical chunks known without
+reading cu_seqlens back, so the host never waits for the device.
+
+Every product and sum runs in fp32 whatever the input dtype (x, B, C, z: fp32, bf16 or fp16; dt any float):
+inputs are loaded and cast to fp32, and tl.dot runs with input_precision="ieee" (no TF32), so the only rounding to a
+16-bit type is the final store of y and, for a bf16 state pool, of the final states. One sum runs in fp64: the
+cumulative Δ·A. Over a 256-token chunk it reaches hundreds, and in fp32 each difference cs_t - cs_s (the exponent of
+every decay) would carry an absolute error of ~|cs|·2^-24, some 10x the error of the sequential product of decays;
+in fp64 each difference is exact to fp32 before the exp.
+Return dtype: y has x's dtype, as an engine's next layer expects. (The twin returns the promoted dtype of x and the
+pool, which differs for a 16-bit x with an fp32 pool, or an fp16 x with a bf16 pool.)
+Slots of `ssm_states` not named in `state_indices` are neither read nor written; a named slot is read only when
+its sequence has an initial state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _log1p(u):
+    # log(1 + u) without losing u's low bits when u is small (Goldberg): plain log(1 + u) returns 0 for u < 6e-8.
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+
+
+@triton.jit
+def _state_tile(pid, d_state, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets (BLOCK_P,), (BLOCK_N,) of tile `pid` of a (P, N) state cut into P/BLOCK_P · N/BLOCK_N tiles."""
+    n_blocks_n = tl.cdiv(d_state, BLOCK_N)
+    return ((pid // n_blocks_n) * BLOCK_P + tl.arange(0, BLOCK_P),
+            (pid % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N))
+
+
+@triton.jit
+def _ssd_chunk_cumsum_fwd_kernel(
+    dt_ptr, A_ptr, dt_bias_ptr, delta_ptr, dA_cumsum_ptr, chunk_start_ptr, chunk_len_ptr,
+    n_heads, dt_min, dt_max,
+    stride_dt_t, stride_dt_h,
+    stride_cs_c, stride_cs_h,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Stage 1: Δ (zero past the chunk's end) and the in-chunk cumulative sum of Δ·A, one chunk, BLOCK_H heads."""
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    start = tl.load(chunk_start_ptr + pid_c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + pid_c)
+    offs_t = tl.arange(0, BLOCK_Q)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < n_heads
+    mask = (offs_t < length)[:, None] & mask_h[None, :]                                   # (BLOCK_Q, BLOCK_H)
+
+    dt = tl.load(dt_ptr + (start + offs_t)[:, None] * stride_dt_t + offs_h[None, :] * stride_dt_h,
+                 mask=mask, other=0.0).to(tl.float32)                                     # (BLOCK_Q, BLOCK_H)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[None, :]
+    if DT_SOFTPLUS:
+        # torch's softplus threshold: the identity above 20 (also keeps exp from overflowing)
+        dt = tl.where(dt <= 20.0, _log1p(tl.exp(tl.minimum(dt, 20.0))), dt)
+    if HAS_DT_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    delta = tl.where(mask, dt, 0.0)
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)                   # (BLOCK_H,)
+    dA_cumsum = tl.cumsum((delta * A[None, :]).to(tl.float64), axis=0)                    # (BLOCK_Q, BLOCK_H)
+
+    offs = pid_c.to(tl.int64) * stride_cs_c + offs_h[None, :] * stride_cs_h + offs_t[:, None]
+    tl.store(delta_ptr + offs, delta, mask=mask_h[None, :])
+    tl.store(dA_cumsum_ptr + offs, dA_cumsum, mask=mask_h[None, :])
+
+
+@triton.jit
+def _ssd_chunk_state_fwd_kernel(
+    x_ptr, B_ptr, delta_ptr, dA_cumsum_ptr, states_ptr, chunk_start_ptr, chunk_len_ptr,
+    head_dim, d_state, heads_per_group,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_B_t, stride_B_g, stride_B_n,
+    stride_cs_c, stride_cs_h,
+    stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Stage 2: one chunk's own final state from a zero start, a (BLOCK_P, BLOCK_N) tile of it for one head."""
+    pid_c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_p, offs_n = _state_tile(tl.program_id(2), d_state, BLOCK_P, BLOCK_N)
+    mask_p = offs_p < head_dim
+    mask_n = offs_n < d_state
+    group = pid_h // heads_per_group                       # interleaved: heads [g·H/G, (g+1)·H/G) read group g
+    start = tl.load(chunk_start_ptr + pid_c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + pid_c)
+    cs_base = pid_c.to(tl.int64) * stride_cs_c + pid_h * stride_cs_h
+    dA_last = tl.load(dA_cumsum_ptr + cs_base + tl.maximum(length - 1, 0))
+
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, length, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < length
+        tok = start + offs_k                                                              # (BLOCK_K,) int64
+        x = tl.load(x_ptr + tok[None, :] * stride_x_t + pid_h * stride_x_h + offs_p[:, None] * stride_x_p,
+                    mask=mask_p[:, None] & mask_k[None, :], other=0.0).to(tl.float32)     # (BLOCK_P, BLOCK_K)
+        b = tl.load(B_ptr + tok[:, None] * stride_B_t + group * stride_B_g + offs_n[None, :] * stride_B_n,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)     # (BLOCK_K, BLOCK_N)
+        dA = tl.load(dA_cumsum_ptr + cs_base + offs_k, mask=mask_k, other=0.0)           # (BLOCK_K,)
+        delta = tl.load(delta_ptr + cs_base + offs_k, mask=mask_k, other=0.0)
+        scale = tl.where(mask_k, tl.exp((dA_last - dA).to(tl.float32)) * delta, 0.0)   # decay from k to the end, ·Δ
+        acc += tl.dot(x * scale[None, :], b, input_precision="ieee")
+
+    offs = (pid_c.to(tl.int64) * stride_st_c + pid_h * stride_st_h
+            + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n)
+    tl.store(states_ptr + offs, acc, mask=mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _ssd_state_passing_fwd_kernel(
+    states_ptr, dA_cumsum_ptr, chunk_len_ptr, seq_chunks_ptr,
+    ssm_states_ptr, state_indices_ptr, has_initial_state_ptr,
+    head_dim, d_state,
+    stride_cs_c, stride_cs_h,
+    stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+    stride_pool_s, stride_pool_h, stride_pool_p, stride_pool_n,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Stage 3: for one sequence and head, a (BLOCK_P, BLOCK_N) tile of the state walked across its chunks.
+
+    In place: states[c] holds chunk c's own state on entry and the state entering chunk c on exit.
+    """
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_p, offs_n = _state_tile(tl.program_id(2), d_state, BLOCK_P, BLOCK_N)
+    mask = (offs_p < head_dim)[:, None] & (offs_n < d_state)[None, :]                     # (BLOCK_P, BLOCK_N)
+
+    slot = tl.load(state_indices_ptr + pid_b).to(tl.int64)
+    has_initial = tl.load(has_initial_state_ptr + pid_b) != 0
+    pool_offs = (slot * stride_pool_s + pid_h * stride_pool_h
+                 + offs_p[:, None] * stride_pool_p + offs_n[None, :] * stride_pool_n)
+    # the slot is read only when the sequence has an initial state: otherwise it may hold anything (NaN included)
+    state = tl.load(ssm_states_ptr + pool_offs, mask=mask & has_initial, other=0.0).to(tl.float32)
+
+    first_chunk = tl.load(seq_chunks_ptr + pid_b).to(tl.int64)
+    n_chunks = tl.load(seq_chunks_ptr + pid_b + 1) - tl.load(seq_chunks_ptr + pid_b)
+    for i in range(0, n_chunks):
+        c = first_chunk + i                                                               # int64
+        offs = (c * stride_st_c + pid_h * stride_st_h
+                + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n)
+        own = tl.load(states_ptr + offs, mask=mask, other=0.0)
+        tl.store(states_ptr + offs, state, mask=mask)
+        length = tl.load(chunk_len_ptr + c)
+        decay = tl.exp(tl.load(dA_cumsum_ptr + c * stride_cs_c + pid_h * stride_cs_h + length - 1).to(tl.float32))
+        state = decay * state + own
+    tl.store(ssm_states_ptr + pool_offs, state.to(ssm_states_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ssd_chunk_scan_fwd_kernel(
+    x_ptr, z_ptr, B_ptr, C_ptr, D_ptr, delta_ptr, dA_cumsum_ptr, states_ptr, y_ptr, chunk_start_ptr, chunk_len_ptr,
+    head_dim, d_state, heads_per_group,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_z_t, stride_z_h, stride_z_p,
+    stride_B_t, stride_B_g, stride_B_n,
+    stride_C_t, stride_C_g, stride_C_n,
+    stride_cs_c, stride_cs_h,
+    stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+    stride_y_t, stride_y_h, stride_y_p,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, M_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Stage 4: a (BLOCK_M, BLOCK_P) tile of y for rows of one chunk and one head."""
+    pid_c = tl.program_id(0) // M_BLOCKS
+    pid_m = tl.program_id(0) % M_BLOCKS
+    pid_h = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    group = pid_h // heads_per_group
+    start = tl.load(chunk_start_ptr + pid_c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + pid_c)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_m = offs_m < length
+    mask_p = offs_p < head_dim
+    tok_m = start + offs_m                                                                # (BLOCK_M,) int64
+    cs_base = pid_c.to(tl.int64) * stride_cs_c + pid_h * stride_cs_h
+    dA_m = tl.load(dA_cumsum_ptr + cs_base + offs_m, mask=mask_m, other=0.0)             # (BLOCK_M,)
+
+    # the state entering the chunk, read out by C and decayed from the chunk's (= its sequence's) start to row m
+    st_base = pid_c.to(tl.int64) * stride_st_c + pid_h * stride_st_h
+    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, d_state, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < d_state
+        c = tl.load(C_ptr + tok_m[:, None] * stride_C_t + group * stride_C_g + offs_n[None, :] * stride_C_n,
+                    mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)     # (BLOCK_M, BLOCK_N)
+        s = tl.load(states_ptr + st_base + offs_n[:, None] * stride_st_n + offs_p[None, :] * stride_st_p,
+                    mask=mask_n[:, None] & mask_p[None, :], other=0.0)                    # (BLOCK_N, BLOCK_P)
+        acc += tl.dot(c, s, input_precision="ieee")
+    acc *= tl.exp(dA_m.to(tl.float32))[:, None]
+
+    # inside the chunk: (C Bᵀ ∘ L)·(Δx) with L[m, k] = exp(cs_m - cs_k) for k ≤ m; columns up to the tile's last row
+    for k0 in range(0, tl.minimum(length, (pid_m + 1) * BLOCK_M), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < length
+        tok_k = start + offs_k                                                            # (BLOCK_K,) int64
+        cb = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, d_state, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < d_state
+            c = tl.load(C_ptr + tok_m[:, None] * stride_C_t + group * stride_C_g + offs_n[None, :] * stride_C_n,
+                        mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+            b = tl.load(B_ptr + tok_k[None, :] * stride_B_t + group * stride_B_g + offs_n[:, None] * stride_B_n,
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_K)
+            cb += tl.dot(c, b, input_precision="ieee")
+        dA_k = tl.load(dA_cumsum_ptr + cs_base + offs_k, mask=mask_k, other=0.0)         # (BLOCK_K,)
+        delta_k = tl.load(delta_ptr + cs_base + offs_k, mask=mask_k, other=0.0)
+        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :]                   # (BLOCK_M, BLOCK_K)
+        decay = tl.exp(tl.where(causal, (dA_m[:, None] - dA_k[None, :]).to(tl.float32), float("-inf")))
+        x_k = tl.load(x_ptr + tok_k[:, None] * stride_x_t + pid_h * stride_x_h + offs_p[None, :] * stride_x_p,
+                      mask=mask_k[:, None] & mask_p[None, :], other=0.0).to(tl.float32)   # (BLOCK_K, BLOCK_P)
+        acc += tl.dot(cb * decay * delta_k[None, :], x_k, input_precision="ieee")
+
+    mask = mask_m[:, None] & mask_p[None, :]                                              # (BLOCK_M, BLOCK_P)
+    if HAS_D:
+        x_m = tl.load(x_ptr + tok_m[:, None] * stride_x_t + pid_h * stride_x_h + offs_p[None, :] * stride_x_p,
+                      mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(D_ptr + pid_h).to(tl.float32) * x_m
+    if HAS_Z:
+        z_m = tl.load(z_ptr + tok_m[:, None] * stride_z_t + pid_h * stride_z_h + offs_p[None, :] * stride_z_p,
+                      mask=mask, other=0.0).to(tl.float32)
+        acc *= z_m * tl.sigmoid(z_m)
+    tl.store(y_ptr + tok_m[:, None] * stride_y_t + pid_h * stride_y_h + offs_p[None, :] * stride_y_p,
+             acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _logical_chunks(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: int):
+    """Cut every sequence into chunks of at most Q tokens counted from its own first token.
+
+    cu_seqlens (B+1,). Returns chunk_start (NC,), chunk_len (NC,) and seq_chunks (B+1,), int32 on cu_seqlens' device:
+    sequence b owns chunks seq_chunks[b]:seq_chunks[b+1]. The real count Σ_b ceil(L_b / Q) is at most
+    NC = T // Q + B, which is known without reading cu_seqlens back to the host (no device sync): chunks past the
+    real count get length 0 and every stage skips them.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    n_seqs = cu.numel() - 1
+    lengths = cu[1:] - cu[:-1]                                                            # (B,)
+    seq_chunks = F.pad(torch.cumsum((lengths + chunk_size - 1) // chunk_size, 0), (1, 0))  # (B+1,)
+    chunk = torch.arange(n_tokens // chunk_size + n_seqs, device=cu.device)              # (NC,)
+    seq = torch.searchsorted(seq_chunks[1:], chunk, right=True).clamp(max=n_seqs - 1)    # (NC,)
+    chunk_start = cu[seq] + (chunk - seq_chunks[seq]) * chunk_size
+    chunk_len = (cu[seq + 1] - chunk_start).clamp(0, chunk_size)
+    chunk_len = torch.where(chunk < seq_chunks[-1], chunk_len, 0)
+    return chunk_start.to(torch.int32), chunk_len.to(torch.int32), seq_chunks.to(torch.int32)
+
+
+def _check_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...], letters: str) -> None:
+    if t is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {letters} = {shape}, got {tuple(t.shape)}")
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    chunk_size: int,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    z: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """The selective state-space recurrence over packed sequences, by the SSD chunked algorithm (Triton).
+
+    x (T, H, P) fp32/bf16/fp16; dt (T, H); A (H,) negative; B, C (T, G, N) with H % G == 0; D (H,) or None;
+    dt_bias (H,) or None; z (T, H, P) or None; cu_seqlens (B+1,) int; ssm_states (S, H, P, N) fp32 or bf16, updated in
+    place: slot state_indices[b] receives sequence b's final state; state_indices (B,) int; has_initial_state (B,)
+    bool: sequence b starts from slot state_indices[b] if set, from zeros otherwise. chunk_size Q ≥ 1 (any value;
+    blocks are padded to a power of two ≥ 16). Any strides. Returns y (T, H, P) in x's dtype (see the module
+    docstring for how that differs from the twin).
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x: expected shape (T, H, P), got {tuple(x.shape)}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"x: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+    if ssm_states.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"ssm_states: expected dtype float32 or bfloat16, got {ssm_states.dtype}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected ≥ 1, got {chunk_size}")
+    n_tokens, n_heads, head_dim = x.shape
+    if B.dim() != 3:
+        raise ValueError(f"B: expected shape (T, G, N), got {tuple(B.shape)}")
+    n_groups, d_state = B.shape[1:]
+    n_seqs = state_indices.shape[0]
+    _check_shape("dt", dt, (n_tokens, n_heads), "(T, H)")
+    _check_shape("A", A, (n_heads,), "(H,)")
+    _check_shape("C", C, tuple(B.shape), "(T, G, N)")
+    _check_shape("B", B, (n_tokens, n_groups, d_state), "(T, G, N)")
+    _check_shape("D", D, (n_heads,), "(H,)")
+    _check_shape("dt_bias", dt_bias, (n_heads,), "(H,)")
+    _check_shape("z", z, tuple(x.shape), "(T, H, P)")
+    _check_shape("ssm_states", ssm_states, (ssm_states.shape[0], n_heads, head_dim, d_state), "(S, H, P, N)")
+    _check_shape("has_initial_state", has_initial_state, (n_seqs,), "(B,)")
+    _check_shape("cu_seqlens", cu_seqlens, (n_seqs + 1,), "(B+1,)")
+    if n_heads % n_groups:
+        raise ValueError(f"B: n_groups G = {n_groups} does not divide the number of heads H = {n_heads}")
+
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)                              # (T, H, P)
+    if n_seqs == 0:
+        return y
+    chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, chunk_size, n_tokens)
+    n_chunks = chunk_start.shape[0]                                                       # NC (an upper bound)
+    block_q = max(16, triton.next_power_of_2(chunk_size))
+    block_h = min(16, triton.next_power_of_2(n_heads))
+    block_m = min(64, block_q)
+    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
+    block_n = min(64, max(16, triton.next_power_of_2(d_state)))
+    tiles_pn = triton.cdiv(head_dim, block_p) * triton.cdiv(d_state, block_n)
+    f32 = dict(dtype=torch.float32, device=x.device)
+
+    delta = torch.empty(n_chunks, n_heads, block_q, **f32)                               # (NC, H, Q)
+    dA_cumsum = torch.empty(n_chunks, n_heads, block_q, dtype=torch.float64, device=x.device)   # (NC, H, Q)
+    dt_min, dt_max = dt_limit
+    has_dt_limit = dt_min > 0.0 or dt_max < math.inf
+    _ssd_chunk_cumsum_fwd_kernel[(n_chunks, triton.cdiv(n_heads, block_h))](
+        dt, A, dt_bias if dt_bias is not None else A, delta, dA_cumsum, chunk_start, chunk_len,
+        n_heads, float(dt_min), min(float(dt_max), torch.finfo(torch.float32).max),
+        dt.stride(0), dt.stride(1),
+        delta.stride(0), delta.stride(1),
+        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_dt_limit,
+        BLOCK_Q=block_q, BLOCK_H=block_h,
+    )
+
+    states = torch.empty(n_chunks, n_heads, head_dim, d_state, **f32)                    # (NC, H, P, N)
+    heads_per_group = n_heads // n_groups
+    _ssd_chunk_state_fwd_kernel[(n_chunks, n_heads, tiles_pn)](
+        x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
+        head_dim, d_state, heads_per_group,
+        x.stride(0), x.stride(1), x.stride(2),
+        B.stride(0), B.stride(1), B.stride(2),
+        delta.stride(0), delta.stride(1),
+        states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+        BLOCK_K=block_m, BLOCK_P=block_p, BLOCK_N=block_n,
+    )
+
+    _ssd_state_passing_fwd_kernel[(n_seqs, n_heads, tiles_pn)](
+        states, dA_cumsum, chunk_len, seq_chunks,
+        ssm_states, state_indices, has_initial_state.to(torch.int32),
+        head_dim, d_state,
+        delta.stride(0), delta.stride(1),
+        states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
+        BLOCK_P=block_p, BLOCK_N=block_n,
+    )
+
+    m_blocks = block_q // block_m
+    _ssd_chunk_scan_fwd_kernel[(n_chunks * m_blocks, n_heads, triton.cdiv(head_dim, block_p))](
+        x, z if z is not None else x, B, C, D if D is not None else A, delta, dA_cumsum, states, y,
+        chunk_start, chunk_len,
+        head_dim, d_state, heads_per_group,
+        x.stride(0), x.stride(1), x.stride(2),
+        *(z.stride() if z is not None else (0, 0, 0)),
+        B.stride(0), B.stride(1), B.stride(2),
+        C.stride(0), C.stride(1), C.stride(2),
+        delta.stride(0), delta.stride(1),
+        states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+        y.stride(0), y.stride(1), y.stride(2),
+        HAS_D=D is not None, HAS_Z=z is not None, M_BLOCKS=m_blocks,
+        BLOCK_M=block_m, BLOCK_K=block_m, BLOCK_P=block_p, BLOCK_N=block_n,
+    )
+    return y
