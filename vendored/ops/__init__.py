@@ -1,0 +1,9 @@
+"""Our forward-only Triton kernels for Bamba's Mamba2 mixer. Each op has a naive twin `<op>_ref` in reference/ops.py
+with the same signature and return values, and a test file tests/kernels/test_<op>.py that compares the two."""
+
+from .causal_conv1d import causal_conv1d, causal_conv1d_update
+from .rms_norm_gated import rms_norm_gated
+from .selective_state_update import selective_state_update
+from .ssd_scan import ssd_scan
+
+__all__ = ["causal_conv1d", "causal_conv1d_update", "rms_norm_gated", "selective_state_update", "ssd_scan"]

@@ -1,0 +1,221 @@
+"""causal_conv1d (packed varlen prefill) against its twin causal_conv1d_ref: every output element, every named
+state slot, and every slot not named left bit-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference.ops import causal_conv1d_ref
+from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
+from vendored.ops.causal_conv1d import causal_conv1d
+
+K = 2.0
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+
+H, P, N, W = 4, 16, 16, 4               # CPU shapes; channels C = H·P + 2·G·N
+Q = 16                                  # the scan's chunk size on CPU: lengths around it are the awkward ones
+N_SLOTS = 8
+
+
+def channels(n_groups: int, n_heads: int = H, head_dim: int = P, d_state: int = N) -> int:
+    return n_heads * head_dim + 2 * n_groups * d_state
+
+
+def to_device(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(device=DEVICE, dtype=dtype)
+
+
+def kernel_pool(pool: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A copy of a conv pool (S, C, W-1) for the kernel; transposed: stored (S, W-1, C) and viewed (S, C, W-1), the
+    layout some engines keep."""
+    return pool.transpose(1, 2).contiguous().transpose(1, 2) if transposed else pool.clone()
+
+
+def assert_rejected(fn, args: dict, name: str, bad: torch.Tensor, message: str) -> None:
+    """fn(**args) with args[name] replaced by `bad` raises an error whose text contains `message`."""
+    with pytest.raises((ValueError, TypeError)) as info:
+        fn(**{**args, name: bad.to(DEVICE)})
+    assert message in str(info.value)
+
+
+def conv_inputs(gen: torch.Generator, n_rows: int, n_channels: int, width: int, *, with_bias: bool, strided: bool):
+    """x (rows, C), weight (C, W), bias (C,) or None in fp32 on the CPU. Strided: x is the xBC columns of a wider
+    projection, as the mixer splits it."""
+    x_full = torch.randn(n_rows, n_channels + (24 if strided else 0), generator=gen)
+    x = x_full[:, 8:8 + n_channels] if strided else x_full               # (rows, C)
+    weight = 0.5 * torch.randn(n_channels, width, generator=gen)         # (C, W)
+    bias = 0.2 * torch.randn(n_channels, generator=gen) if with_bias else None
+    return x, weight, bias
+
+
+def run_and_check(lengths: list[int], has_initial: list[bool], *, n_channels: int = channels(1), width: int = W,
+                  with_bias: bool = True, activation: str | None = "silu", dtype: torch.dtype = torch.float32,
+                  n_slots: int = N_SLOTS, strided: bool = False, seed: int = 0) -> None:
+    """Build a packed batch, poison every slot that is not an initial state, run kernel and twins, check all."""
+    gen = torch.Generator().manual_seed(seed)
+    # Strided: x is a column view and the pool is stored (S, W-1, C) and viewed transposed.
+    x, weight, bias = conv_inputs(gen, sum(lengths), n_channels, width, with_bias=with_bias, strided=strided)
+    pool = torch.randn(n_slots, n_channels, width - 1, generator=gen)   # (S, C, W-1)
+    slots = torch.randperm(n_slots, generator=gen)[:len(lengths)].tolist()
+    pool = poison_slots(pool, keep=[s for s, init in zip(slots, has_initial) if init])
+    cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    state_indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    has_initial_state = torch.tensor(has_initial, dtype=torch.bool, device=DEVICE)
+
+    x_low, weight_low, bias_low = to_device(x, dtype), to_device(weight, dtype), to_device(bias, dtype)
+    pool_before = to_device(pool, dtype)
+    pool_kernel = kernel_pool(pool_before, transposed=strided)
+    pool_low, pool64 = pool_before.clone(), pool_before.double()
+    out = causal_conv1d(x_low, weight_low, bias_low, pool_kernel, cu_seqlens, state_indices, has_initial_state,
+                        activation=activation)
+    ref_low = causal_conv1d_ref(x_low, weight_low, bias_low, pool_low, cu_seqlens, state_indices,
+                                has_initial_state, activation=activation)
+    ref64 = causal_conv1d_ref(x_low.double(), weight_low.double(), to_device(bias_low, torch.float64), pool64,
+                              cu_seqlens, state_indices, has_initial_state, activation=activation)
+    assert out.dtype == ref_low.dtype, f"out.dtype: expected {ref_low.dtype}, got {out.dtype}"
+    assert_three_way("out", out, ref64, ref_low, k=K, atol=ATOL[dtype])
+    assert_three_way("conv_states", pool_kernel[slots], pool64[slots], pool_low[slots], k=K, atol=ATOL[dtype])
+    assert_slots_untouched("conv_states", pool_before, pool_kernel, touched=slots)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One sequence: the lengths around W-1 and the scan's chunk size
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("initial", [True, False], ids=["initial_state", "zero_state"])
+@pytest.mark.parametrize("length", [1, W - 1, Q - 1, Q, Q + 1, 3 * Q + 2], ids=lambda n: f"T{n}")
+def test_one_sequence(length, initial):
+    run_and_check([length], [initial])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed batches: boundaries anywhere, mixed initial states, short pieces
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_groups", [1, 2, H], ids=lambda g: f"G{g}")
+def test_five_sequences_boundaries_anywhere(n_groups):
+    # Boundaries at 1, 3, 20, 22, 53: inside and on the edges of the kernel's 16-token tiles.
+    run_and_check([1, 2, 17, 2, 31], [True, False, True, True, False], n_channels=channels(n_groups))
+
+
+def test_pieces_shorter_than_window_keep_old_window():
+    # Every piece is shorter than W-1, so each new window is part old window, part new inputs.
+    run_and_check([1, 2, 1, 2, 1], [True, True, False, True, True], seed=1)
+
+
+def test_one_sequence_in_a_large_pool_without_initial_state():
+    run_and_check([Q + 1], [False], n_slots=32, seed=2)
+
+
+def test_without_bias():
+    run_and_check([5, Q + 1], [True, False], with_bias=False, seed=4)
+
+
+def test_without_activation():
+    run_and_check([5, Q + 1], [True, False], activation=None, seed=5)
+
+
+def test_strided_input_and_transposed_pool():
+    run_and_check([2, Q, 7], [True, False, True], strided=True, seed=6)
+
+
+@pytest.mark.parametrize("width", [2, 3], ids=lambda w: f"W{w}")
+def test_other_widths(width):
+    run_and_check([1, 4, Q + 1], [True, True, False], width=width, seed=7)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _valid_args():
+    c = channels(1)
+    return dict(x=torch.zeros(6, c, device=DEVICE), weight=torch.zeros(c, W, device=DEVICE),
+                bias=torch.zeros(c, device=DEVICE), conv_states=torch.zeros(4, c, W - 1, device=DEVICE),
+                cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE),
+                state_indices=torch.tensor([1, 3], dtype=torch.int32, device=DEVICE),
+                has_initial_state=torch.tensor([True, False], device=DEVICE))
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("weight", torch.zeros(channels(1) + 1, W), "weight.shape[0]: expected the channel count of x,"),
+    ("bias", torch.zeros(3), "bias.shape: expected"),
+    ("conv_states", torch.zeros(4, channels(1), W), "conv_states.shape[1:]: expected (C, W-1) ="),
+    ("cu_seqlens", torch.tensor([0, 2, 5], dtype=torch.int32), "cu_seqlens: expected non-decreasing from 0 to T"),
+    ("cu_seqlens", torch.tensor([0, 6], dtype=torch.int32), "cu_seqlens.shape: expected (B+1,)"),
+    ("state_indices", torch.tensor([3, 3], dtype=torch.int32), "state_indices: expected distinct slots"),
+    ("state_indices", torch.tensor([1, 4], dtype=torch.int32), "state_indices: expected distinct slots in [0, 4)"),
+    ("x", torch.zeros(6, channels(1), dtype=torch.float64), "x: expected dtype in"),
+    ("state_indices", torch.tensor([1.0, 3.0]), "state_indices: expected dtype in"),
+], ids=["weight_channels", "bias_shape", "state_width", "cu_seqlens_end", "cu_seqlens_length", "duplicate_slots",
+        "slot_out_of_range", "x_float64", "float_indices"])
+def test_rejects_bad_input(name, bad, message):
+    assert_rejected(causal_conv1d, _valid_args(), name, bad, message)
+
+
+def test_rejects_unknown_activation():
+    with pytest.raises(ValueError, match="activation: expected 'silu', 'swish' or None, got 'relu'"):
+        causal_conv1d(**_valid_args(), activation="relu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: Bamba-9B shapes in 16-bit, and a prefill long enough for int32 offsets to overflow
+# ---------------------------------------------------------------------------------------------------------------
+
+BAMBA_CHANNELS = channels(1, n_heads=128, head_dim=64, d_state=128)   # 8448
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_bamba_shapes_8k_tokens(dtype):
+    run_and_check([1, 2, 3000, 63, 5124], [True, False, True, True, False], n_channels=BAMBA_CHANNELS,
+                  dtype=dtype, n_slots=16, seed=8)
+
+
+def _conv_by_shifts(x, weight, bias, initial, dtype):
+    """The twin's arithmetic for one sequence as W shifted multiply-adds in `dtype` (the twin's unfold + einsum
+    would materialise (C, L, W) in fp64: 73 GB at this length). x (L, C); initial (C, W-1). Returns (L, C)."""
+    width = weight.shape[1]
+    window = torch.cat([initial.to(dtype).T, x.to(dtype)], dim=0)      # (W-1+L, C)
+    length = x.shape[0]
+    y = bias.to(dtype).expand(length, -1).clone()                      # (L, C)
+    for j in range(width):
+        y += window[j:j + length] * weight[:, j].to(dtype)
+    return torch.nn.functional.silu(y)
+
+
+@gpu
+@needs_gpu
+def test_long_prefill_past_int32_offsets():
+    # T·C = 270,000 · 8448 = 2.3e9 elements > 2^31: a kernel that forms token·stride in int32 wraps around.
+    dtype, c = torch.bfloat16, BAMBA_CHANNELS
+    lengths, has_initial, slots = [5, 269_990, 5], [True, True, False], [2, 0, 1]
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    x = torch.randn(sum(lengths), c, generator=gen, device=DEVICE).to(dtype)   # (T, C)
+    weight = (0.5 * torch.randn(c, W, generator=gen, device=DEVICE)).to(dtype)
+    bias = (0.2 * torch.randn(c, generator=gen, device=DEVICE)).to(dtype)
+    pool = poison_slots(torch.randn(4, c, W - 1, generator=gen, device=DEVICE).to(dtype), keep=[2, 0])
+    pool_before, pool_kernel = pool.clone(), pool.clone()
+    cu = [0, 5, 269_995, 270_000]
+    out = causal_conv1d(x, weight, bias, pool_kernel, torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+                        torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                        torch.tensor(has_initial, device=DEVICE))
+    for b, slot in enumerate(slots):
+        start, end = cu[b], cu[b + 1]
+        initial = pool_before[slot] if has_initial[b] else torch.zeros_like(pool_before[slot])
+        for c0 in range(0, c, 1024):                                   # channel blocks keep host memory small
+            cols = slice(c0, c0 + 1024)
+            args = (x[start:end, cols], weight[cols], bias[cols], initial[cols])
+            ref64 = _conv_by_shifts(*args, torch.float64)
+            ref_low = _conv_by_shifts(*args, dtype)
+            assert_three_way(f"out[seq {b}, channels {c0}:]", out[start:end, cols], ref64, ref_low, k=K,
+                             atol=ATOL[dtype])
+        window = torch.cat([initial, x[start:end].T], dim=1)           # (C, W-1+L)
+        expected = window[:, window.shape[1] - (W - 1):]
+        assert torch.equal(pool_kernel[slot], expected), f"conv_states: slot {slot} is not the last W-1 inputs"
+    assert_slots_untouched("conv_states", pool_before, pool_kernel, touched=slots)

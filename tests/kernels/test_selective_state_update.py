@@ -1,0 +1,203 @@
+"""selective_state_update (one decode step of the SSM recurrence) against its twin selective_state_update_ref: every
+output element, every live row's state, padding rows that read and write nothing, untouched slots bit-identical."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from reference.ops import discretize_dt, selective_state_update_ref
+from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
+from tests.kernels.test_causal_conv1d import assert_rejected
+from vendored.ops.selective_state_update import selective_state_update
+
+K = 2.0
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+
+H, P, N = 4, 16, 16
+N_SLOTS = 10
+PAD = -1
+LIVE_AND_PAD = [3, PAD, 0, 7, PAD, 5]
+
+
+def make_inputs(n_rows: int, *, n_heads: int = H, head_dim: int = P, d_state: int = N, n_groups: int = 1,
+                n_slots: int = N_SLOTS, dt_shift: float = 0.0, seed: int = 0) -> dict:
+    """fp32 CPU inputs on Bamba-like scales: A = -exp(A_log) with A_log in log[0.5, 7.5], dt_bias in [-2.5, 0.5];
+    C scaled by N^-½ so that y = S·C stays of order 1 whatever N is (the fp32 atol is absolute)."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        pool=torch.randn(n_slots, n_heads, head_dim, d_state, generator=gen),           # (S, H, P, N)
+        x=torch.randn(n_rows, n_heads, head_dim, generator=gen),                         # (B, H, P)
+        dt=torch.randn(n_rows, n_heads, generator=gen) + dt_shift,                       # (B, H)
+        A=-(torch.rand(n_heads, generator=gen) * 7.0 + 0.5),                             # (H,)
+        B=torch.randn(n_rows, n_groups, d_state, generator=gen),                         # (B, G, N)
+        C=torch.randn(n_rows, n_groups, d_state, generator=gen) / math.sqrt(d_state),   # (B, G, N)
+        D=torch.randn(n_heads, generator=gen),                                           # (H,)
+        dt_bias=torch.rand(n_heads, generator=gen) * 3.0 - 2.5,                          # (H,)
+        z=torch.randn(n_rows, n_heads, head_dim, generator=gen),                         # (B, H, P)
+    )
+
+
+def run_and_check(slots: list[int], inputs: dict, *, drop: tuple[str, ...] = (), dtype: torch.dtype = torch.float32,
+                  state_dtype: torch.dtype = torch.float32, pad_slot_id: int = PAD, **options) -> None:
+    """Poison every slot no live row reads, run kernel and twins (fp64 and on the inputs cast to `dtype`), check
+    all. `drop` names the optional inputs (D, dt_bias, z) passed as None; `options` go to both sides."""
+    live = [s for s in slots if s != pad_slot_id]
+    pool_before = poison_slots(inputs["pool"], keep=live).to(device=DEVICE, dtype=state_dtype)
+    low = {name: None if name in drop else t.to(device=DEVICE, dtype=dtype)
+           for name, t in inputs.items() if name != "pool"}
+    wide = {name: None if t is None else t.double() for name, t in low.items()}
+    state_indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    pool_kernel, pool_low, pool64 = pool_before.clone(), pool_before.clone(), pool_before.double()
+
+    def call(fn, pool, args):
+        return fn(pool, args["x"], args["dt"], args["A"], args["B"], args["C"], D=args["D"],
+                  dt_bias=args["dt_bias"], z=args["z"], state_indices=state_indices, pad_slot_id=pad_slot_id,
+                  **options)
+
+    y = call(selective_state_update, pool_kernel, low)
+    y_low = call(selective_state_update_ref, pool_low, low)
+    y64 = call(selective_state_update_ref, pool64, wide)
+    assert y.dtype == y_low.dtype, f"y.dtype: expected {y_low.dtype}, got {y.dtype}"
+    assert_three_way("y", y, y64, y_low, k=K, atol=ATOL[y.dtype])
+    assert_three_way("ssm_states", pool_kernel[live], pool64[live], pool_low[live], k=K, atol=ATOL[state_dtype])
+    assert_slots_untouched("ssm_states", pool_before, pool_kernel, touched=live)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Heads and groups
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_groups", [1, 2, H], ids=lambda g: f"G{g}")
+def test_groups_interleaved_with_padding_rows(n_groups):
+    run_and_check(LIVE_AND_PAD, make_inputs(len(LIVE_AND_PAD), n_groups=n_groups))
+
+
+def test_awkward_sizes():
+    # P and N not powers of two (masked tiles), 3 heads per group.
+    run_and_check([2, PAD, 8], make_inputs(3, n_heads=6, head_dim=12, d_state=10, n_groups=2, seed=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optional inputs and Δ
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drop", [("z",), ("D",), ("dt_bias",), ("z", "D", "dt_bias")],
+                         ids=["no_z", "no_D", "no_dt_bias", "none_of_them"])
+def test_optional_inputs(drop):
+    run_and_check(LIVE_AND_PAD, make_inputs(len(LIVE_AND_PAD), n_groups=2, seed=2), drop=drop)
+
+
+def test_without_softplus():
+    inputs = make_inputs(len(LIVE_AND_PAD), n_groups=2, seed=3)
+    inputs["dt"] = inputs["dt"].abs() + 2.5                            # Δ = dt + dt_bias stays positive
+    run_and_check(LIVE_AND_PAD, inputs, dt_softplus=False)
+
+
+def test_softplus_identity_above_threshold():
+    # dt + dt_bias spans [12, 29]: both branches of torch's threshold at 20.
+    inputs = make_inputs(len(LIVE_AND_PAD), n_groups=2, dt_shift=22.0, seed=4)
+    inputs["A"] = inputs["A"] / 200.0                                  # keep exp(Δ·A) away from 0 at Δ ≈ 20
+    inputs["x"] = inputs["x"] / 20.0                                   # and Δ·x of order 1, like y elsewhere
+    run_and_check(LIVE_AND_PAD, inputs)
+
+
+def test_dt_limit_clamps_both_ends():
+    inputs = make_inputs(len(LIVE_AND_PAD), n_groups=2, seed=5)
+    limit = (0.15, 0.4)
+    delta = discretize_dt(inputs["dt"], inputs["dt_bias"], True, (0.0, math.inf))
+    assert (delta < limit[0]).any() and (delta > limit[1]).any(), "test inputs must reach beyond both limits"
+    run_and_check(LIVE_AND_PAD, inputs, dt_limit=limit)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Slots and layouts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_pad_slot_id_names_a_real_slot():
+    run_and_check([2, 0, 6, 0, 9], make_inputs(5, n_groups=2, seed=6), pad_slot_id=0)
+
+
+def test_one_row():
+    run_and_check([6], make_inputs(1, n_groups=2, seed=7))
+
+
+def test_strided_views_of_one_projection():
+    # x, B, C, dt as column views of one (B, H·P + 2·G·N + H) tensor, as the mixer splits its projection; the pool
+    # stored (S, H, N, P) and viewed transposed.
+    n_rows, n_groups = 4, 2
+    inputs = make_inputs(n_rows, n_groups=n_groups, seed=8)
+    slots = [1, PAD, 4, 9]
+    packed = torch.cat([inputs["x"].flatten(1), inputs["B"].flatten(1), inputs["C"].flatten(1), inputs["dt"]], 1)
+    sizes = [H * P, n_groups * N, n_groups * N, H]
+    x, B, C, dt = packed.split(sizes, dim=1)
+    views = dict(x=x.unflatten(1, (H, P)), B=B.unflatten(1, (n_groups, N)), C=C.unflatten(1, (n_groups, N)), dt=dt)
+    assert not views["x"].is_contiguous() and not views["dt"].is_contiguous()
+    live = [s for s in slots if s != PAD]
+    pool_before = poison_slots(inputs["pool"], keep=live).to(DEVICE)
+    pool_kernel = pool_before.transpose(2, 3).contiguous().transpose(2, 3)   # (S, H, P, N) with P fastest
+    state_indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    common = dict(D=inputs["D"].to(DEVICE), dt_bias=inputs["dt_bias"].to(DEVICE), z=inputs["z"].to(DEVICE),
+                  state_indices=state_indices)
+    args = [views[n].to(DEVICE) for n in ("x", "dt")] + [inputs["A"].to(DEVICE)] + \
+        [views[n].to(DEVICE) for n in ("B", "C")]
+    y = selective_state_update(pool_kernel, *args, **common)
+    pool_low = pool_before.clone()
+    y_low = selective_state_update_ref(pool_low, *args, **common)
+    pool64 = pool_before.double()
+    y64 = selective_state_update_ref(pool64, *[a.double() for a in args],
+                                     **{n: (t.double() if t.is_floating_point() else t) for n, t in common.items()})
+    assert_three_way("y", y, y64, y_low, k=K, atol=ATOL[torch.float32])
+    assert_three_way("ssm_states", pool_kernel[live], pool64[live], pool_low[live], k=K, atol=ATOL[torch.float32])
+    assert_slots_untouched("ssm_states", pool_before, pool_kernel, touched=live)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _valid_args():
+    t = {n: v.to(DEVICE) for n, v in make_inputs(3, n_groups=2).items()}
+    return dict(ssm_states=t["pool"], x=t["x"], dt=t["dt"], A=t["A"], B=t["B"], C=t["C"], D=t["D"],
+                dt_bias=t["dt_bias"], z=t["z"], state_indices=torch.tensor([1, -1, 3], device=DEVICE))
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("ssm_states", torch.zeros(N_SLOTS, H, P + 1, N), "ssm_states.shape[1:3]: expected (H, P) of x, (4, 16)"),
+    ("B", torch.zeros(3, 3, N), "B.shape[1]: expected a group count G dividing H = 4, got 3"),
+    ("C", torch.zeros(3, 2, N + 1), "C.shape: expected (3, 2, 16), got (3, 2, 17)"),
+    ("dt", torch.zeros(3, H + 1), "dt.shape: expected (3, 4), got (3, 5)"),
+    ("z", torch.zeros(3, H, P, dtype=torch.float64), "z: expected dtype in"),
+    ("state_indices", torch.tensor([1.0, 2.0, 3.0]), "state_indices: expected dtype torch.int32 or torch.int64"),
+], ids=["state_head_dim", "groups_not_dividing", "C_d_state", "dt_heads", "z_float64", "float_indices"])
+def test_rejects_bad_input(name, bad, message):
+    assert_rejected(selective_state_update, _valid_args(), name, bad, message)
+
+
+def test_rejects_inverted_dt_limit():
+    with pytest.raises(ValueError, match=r"dt_limit: expected \(low, high\) with low <= high, got \(1.0, 0.5\)"):
+        selective_state_update(**_valid_args(), dt_limit=(1.0, 0.5))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: Bamba-9B shapes, 16-bit inputs, fp32 and bf16 state pools
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("batch", [1, 64, 256], ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["state_fp32", "state_bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_bamba_shapes(dtype, state_dtype, batch):
+    gen = torch.Generator().manual_seed(batch)
+    slots = torch.randperm(300, generator=gen)[:batch].tolist()
+    slots[batch // 2] = PAD
+    inputs = make_inputs(batch, n_heads=128, head_dim=64, d_state=128, n_groups=1, n_slots=300, seed=batch)
+    run_and_check(slots, inputs, dtype=dtype, state_dtype=state_dtype, dt_limit=(0.0, 10.0))

@@ -1,0 +1,109 @@
+"""Gated RMSNorm of the Mamba2 mixer over groups of channels, forward only.
+
+Twin of `reference.ops.rms_norm_gated_ref`. Each row's D· channels are split into D·/group_size groups (Bamba:
+group size H·P/G, one group per B/C group) and normalised separately:
+    norm_before_gate=False (Bamba):  w · rms_g(x · silu(gate))
+    norm_before_gate=True:           w · rms_g(x) · silu(gate)
+with rms_g(h) = h / sqrt(mean_g(h²) + eps). Statistics and arithmetic in fp32; the result is stored in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rms_norm_gated_fwd_kernel(
+    x_ptr, gate_ptr, weight_ptr, out_ptr,
+    group_size, eps,
+    stride_x_t, stride_x_d,
+    stride_gate_t, stride_gate_d,
+    stride_weight_d,
+    stride_out_t, stride_out_d,
+    HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Row t, group g: two passes over the group's channels in BLOCK_D pieces (sum of squares, then write)."""
+    t = tl.program_id(0).to(tl.int64)
+    group_start = tl.program_id(1) * group_size
+    x_row = x_ptr + t * stride_x_t
+    gate_row = gate_ptr + t * stride_gate_t
+    out_row = out_ptr + t * stride_out_t
+
+    sum_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, group_size, BLOCK_D):
+        offs = group_start + start + tl.arange(0, BLOCK_D)             # (BLOCK_D,) channel index in the row
+        mask = offs < group_start + group_size
+        h = tl.load(x_row + offs * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE and not NORM_BEFORE_GATE:
+            gate = tl.load(gate_row + offs * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
+            h *= gate / (1.0 + tl.exp(-gate))
+        sum_sq += h * h
+    inv_rms = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / group_size + eps)
+
+    for start in range(0, group_size, BLOCK_D):
+        offs = group_start + start + tl.arange(0, BLOCK_D)
+        mask = offs < group_start + group_size
+        h = tl.load(x_row + offs * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            gate = tl.load(gate_row + offs * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
+            silu_gate = gate / (1.0 + tl.exp(-gate))
+            if not NORM_BEFORE_GATE:
+                h *= silu_gate
+        h = h * inv_rms * tl.load(weight_ptr + offs * stride_weight_d, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE and NORM_BEFORE_GATE:
+            h *= silu_gate
+        tl.store(out_row + offs * stride_out_d, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """Gated RMSNorm over groups of `group_size` channels (Bamba: group size H·P/G, gate before the norm).
+
+    x (..., D·) and gate (..., D·) or None, fp16/bf16/fp32; weight (D·,); group_size divides D·.
+    norm_before_gate=False: w·rms_g(x·silu(gate)); True: w·rms_g(x)·silu(gate). Statistics in fp32.
+    Returns a tensor of x's shape and dtype.
+    """
+    if x.dim() < 1:
+        raise ValueError("x.dim(): expected at least 1, got 0")
+    width = x.shape[-1]
+    for name, t, shape in (("x", x, x.shape), ("gate", gate, x.shape), ("weight", weight, (width,))):
+        if t is None:
+            continue
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
+        if t.shape != shape:
+            raise ValueError(f"{name}.shape: expected {tuple(shape)}, got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{name}.device: expected the device of x, {x.device}, got {t.device}")
+    if group_size <= 0 or width % group_size:
+        raise ValueError(f"group_size: expected a positive divisor of the width {width}, got {group_size}")
+
+    x_rows = x.reshape(-1, width)                                      # (T, D·), a view when strides allow
+    gate_rows = gate.reshape(-1, width) if gate is not None else x_rows
+    out = torch.empty(x_rows.shape, dtype=x.dtype, device=x.device)    # (T, D·)
+    if out.numel() == 0:
+        return out.reshape(x.shape)
+    max_block = 4096 if x.device.type == "cuda" else 32              # interpreter: several pieces per group
+    block_d = min(triton.next_power_of_2(group_size), max_block)
+    _rms_norm_gated_fwd_kernel[(x_rows.shape[0], width // group_size)](
+        x_rows, gate_rows, weight, out,
+        group_size, eps,
+        x_rows.stride(0), x_rows.stride(1),
+        gate_rows.stride(0), gate_rows.stride(1),
+        weight.stride(0),
+        out.stride(0), out.stride(1),
+        HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK_D=block_d,
+        num_warps=8 if block_d >= 2048 else 4,
+    )
+    return out.reshape(x.shape)

@@ -1,0 +1,195 @@
+"""One decode step of the Mamba2 selective state-space recurrence, forward only.
+
+Twin of `reference.ops.selective_state_update_ref`. For each live row b (slot s = state_indices[b]), head h and its
+group g = h // (H/G) (interleaved blocks of heads share a group, not h % G):
+    Δ = clamp(softplus(dt[b, h] + dt_bias[h]), dt_limit)
+    S[s, h] <- exp(Δ·A[h])·S[s, h] + Δ·x[b, h] ⊗ B[b, g]                 S[s, h] (P, N)
+    y[b, h] = S[s, h]·C[b, g] + D[h]·x[b, h],  then · silu(z[b, h]) if z is given
+A row whose slot is pad_slot_id reads and writes no slot and outputs 0. The recurrence runs in fp32 whatever the
+pool's dtype; the new state is rounded to the pool's dtype only when stored, and y uses the unrounded one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _softplus(v):
+    """log(1 + e^v) with torch's threshold; log1p by Goldberg's trick so that tiny e^v (v << 0) is not lost."""
+    u = tl.exp(-tl.abs(v))
+    one_plus_u = 1.0 + u
+    log1p_u = tl.where(one_plus_u == 1.0, u, tl.log(one_plus_u) * (u / (one_plus_u - 1.0)))
+    return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + log1p_u)         # identity above 20, as torch's softplus
+
+
+@triton.jit
+def _selective_state_update_fwd_kernel(
+    ssm_states_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, z_ptr, state_indices_ptr, y_ptr,
+    head_dim, d_state, heads_per_group, pad_slot_id, dt_min, dt_max,
+    stride_states_s, stride_states_h, stride_states_p, stride_states_n,
+    stride_x_b, stride_x_h, stride_x_p,
+    stride_dt_b, stride_dt_h,
+    stride_A_h,
+    stride_B_b, stride_B_g, stride_B_n,
+    stride_C_b, stride_C_g, stride_C_n,
+    stride_D_h,
+    stride_dt_bias_h,
+    stride_z_b, stride_z_h, stride_z_p,
+    stride_y_b, stride_y_h, stride_y_p,
+    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_DT_LIMIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Row b, head h, BLOCK_P of the head's P channels, all N state columns (BLOCK_N >= N)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    g = h // heads_per_group                                           # interleaved: heads [g·H/G, (g+1)·H/G)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)                   # (BLOCK_P,)
+    offs_n = tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
+    mask_p = offs_p < head_dim
+    mask_n = offs_n < d_state
+    slot = tl.load(state_indices_ptr + b).to(tl.int64)
+    y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + offs_p * stride_y_p
+    if slot == pad_slot_id:
+        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32).to(y_ptr.dtype.element_ty), mask=mask_p)
+    else:
+        dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += tl.load(dt_bias_ptr + h * stride_dt_bias_h).to(tl.float32)
+        if DT_SOFTPLUS:
+            dt = _softplus(dt)
+        if HAS_DT_LIMIT:
+            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        decay = tl.exp(dt * tl.load(A_ptr + h * stride_A_h).to(tl.float32))
+
+        x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p, mask=mask_p, other=0.0)
+        x = x.to(tl.float32)                                           # (BLOCK_P,)
+        B = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n * stride_B_n, mask=mask_n, other=0.0)
+        C = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n * stride_C_n, mask=mask_n, other=0.0)
+        state_ptrs = (ssm_states_ptr + slot * stride_states_s + h * stride_states_h
+                      + offs_p[:, None] * stride_states_p + offs_n[None, :] * stride_states_n)
+        mask_pn = mask_p[:, None] & mask_n[None, :]
+        state = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(tl.float32)   # (BLOCK_P, BLOCK_N)
+        state = decay * state + (dt * x)[:, None] * B.to(tl.float32)[None, :]
+        tl.store(state_ptrs, state.to(ssm_states_ptr.dtype.element_ty), mask=mask_pn)
+
+        y = tl.sum(state * C.to(tl.float32)[None, :], axis=1)          # (BLOCK_P,)
+        if HAS_D:
+            y += tl.load(D_ptr + h * stride_D_h).to(tl.float32) * x
+        if HAS_Z:
+            z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p * stride_z_p, mask=mask_p, other=0.0)
+            z = z.to(tl.float32)
+            y *= z / (1.0 + tl.exp(-z))
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _expect(name: str, what: str, expected, got) -> None:
+    if expected != got:
+        raise ValueError(f"{name}: expected {what + ' ' if what else ''}{expected}, got {got}")
+
+
+def _expect_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
+
+
+def _block_p(head_dim: int, device: torch.device) -> int:
+    """Channels per program: a quarter of a 64-wide head on the GPU (parallelism at batch 1), 8 in the interpreter
+    so that tests cross a tile edge."""
+    return min(triton.next_power_of_2(head_dim), 16 if device.type == "cuda" else 8)
+
+
+def selective_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    z: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    pad_slot_id: int = -1,
+) -> torch.Tensor:
+    """One decode step of the recurrence for a batch of sequences (same equations as ssd_scan).
+
+    ssm_states (S, H, P, N) fp32/bf16/fp16, updated in place; x (B, H, P); dt (B, H); A (H,); B, C (B, G, N) with
+    G dividing H; D (H,) or None; dt_bias (H,) or None; z (B, H, P) or None; state_indices (B,) int, distinct among
+    live rows; rows with state_indices == pad_slot_id are padding: not read, not written, output zero. Any strides.
+    Returns y (B, H, P) in x's dtype promoted with the pool's. No device-to-host copy (capturable in a CUDA graph),
+    so slot values are trusted.
+    """
+    _expect("x.dim()", "", 3, x.dim())
+    n_rows, n_heads, head_dim = x.shape
+    _expect("ssm_states.dim()", "", 4, ssm_states.dim())
+    _expect("ssm_states.shape[1:3]", "(H, P) of x,", (n_heads, head_dim), tuple(ssm_states.shape[1:3]))
+    d_state = ssm_states.shape[3]
+    _expect("B.dim()", "", 3, B.dim())
+    n_groups = B.shape[1]
+    if n_groups == 0 or n_heads % n_groups:
+        raise ValueError(f"B.shape[1]: expected a group count G dividing H = {n_heads}, got {n_groups}")
+    expected = {
+        "dt": (n_rows, n_heads), "A": (n_heads,), "B": (n_rows, n_groups, d_state), "C": (n_rows, n_groups, d_state),
+        "D": (n_heads,), "dt_bias": (n_heads,), "z": (n_rows, n_heads, head_dim), "state_indices": (n_rows,),
+    }
+    given = {"dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "z": z, "state_indices": state_indices}
+    for name, t in given.items():
+        if t is None:
+            continue
+        _expect(f"{name}.shape", "", expected[name], tuple(t.shape))
+        _expect(f"{name}.device", "the device of x,", x.device, t.device)
+        if name == "state_indices":
+            if t.dtype not in _INDEX_DTYPES:
+                raise TypeError(f"state_indices: expected dtype torch.int32 or torch.int64, got {t.dtype}")
+        else:
+            _expect_float(name, t)
+    _expect_float("x", x)
+    _expect_float("ssm_states", ssm_states)
+    _expect("ssm_states.device", "the device of x,", x.device, ssm_states.device)
+    dt_min, dt_max = dt_limit
+    if not dt_min <= dt_max:
+        raise ValueError(f"dt_limit: expected (low, high) with low <= high, got {dt_limit}")
+
+    y = torch.empty((n_rows, n_heads, head_dim), dtype=torch.promote_types(x.dtype, ssm_states.dtype),
+                    device=x.device)
+    if n_rows == 0:
+        return y
+    block_p = _block_p(head_dim, x.device)
+    stand_in = A                                                       # never read when its flag is False
+    D_arg, dt_bias_arg = (D if D is not None else stand_in), (dt_bias if dt_bias is not None else stand_in)
+    z_arg = z if z is not None else x
+    grid = (n_rows, n_heads, triton.cdiv(head_dim, block_p))
+    _selective_state_update_fwd_kernel[grid](
+        ssm_states, x, dt, A, B, C, D_arg, dt_bias_arg, z_arg, state_indices, y,
+        head_dim, d_state, n_heads // n_groups, pad_slot_id, float(dt_min), float(dt_max),
+        *ssm_states.stride(),
+        *x.stride(),
+        *dt.stride(),
+        A.stride(0),
+        *B.stride(),
+        *C.stride(),
+        D_arg.stride(0),
+        dt_bias_arg.stride(0),
+        *z_arg.stride(),
+        *y.stride(),
+        HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
+        HAS_DT_LIMIT=dt_min > 0.0 or dt_max < math.inf, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state),
+    )
+    return y
