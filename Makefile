@@ -12,7 +12,7 @@ GPU_PY ?= python3
 .PHONY: help venv test test-all test-slow test-gpu compare clean
 
 help:
-	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (placeholder until the harness lands)"
+	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
 	@echo "make test      the CPU suite (not gpu, not slow), in parallel; creates .venv"
 	@echo "make test-slow the slow CPU tests"
 	@echo "make test-all  every CPU test, slow ones included"
@@ -40,12 +40,11 @@ test-all: $(STAMP)
 
 # On the GPU image: the gpu-marked tests plus everything else that runs on CUDA when it is present.
 test-gpu:
-	$(GPU_PY) -m pytest -p no:cacheprovider -m "gpu" tests
+	$(GPU_PY) -m pytest -p no:cacheprovider -m "gpu and not slow" tests
 
+# The main job: the vendored engine against the fp64 oracle on the bundled tiny model (table, JSON and PNG in out/).
 compare: $(STAMP)
-	@echo "make compare: PLACEHOLDER. The harness (issue 5) and the vendored engine (issue 6) have not landed yet,"
-	@echo "so there is no comparison to run. What exists today is the oracle; its tests: make test"
-	@exit 1
+	$(VENV)/bin/bamba-harness compare --engine vendored --checkpoint fixtures/tiny-bamba --out out/compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

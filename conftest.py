@@ -14,3 +14,6 @@ if not torch.cuda.is_available():
 
 # Keep CPU runs deterministic and from oversubscribing the cores that pytest-xdist already fills.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# `--engine NAME` and the (engine, scenario) parametrization of harness tests (harness/pytest_plugin.py).
+pytest_plugins = ["harness.pytest_plugin"]

@@ -1,0 +1,88 @@
+"""The oracle as an engine: `BambaReference` driven by the token-budget scheduler of harness/schedule.py.
+
+Each planned step is one `forward_batch` call holding the pieces of several requests (decodes and prefill pieces
+together), so the oracle itself runs every batching and chunked-prefill scenario and its results can be compared
+with its own unchunked run. fp64 by default, any dtype on request.
+
+Honours max_num_batched_tokens, max_num_seqs, arrival steps, allow_long_context and ssm_state_dtype (the SSM state
+is rounded to that dtype between steps, as an engine's state cache would hold it; a dtype wider than the run dtype
+is unsupported, since the oracle has no mixed-precision scan).
+engine_args: gated_norm = "grouped" (default; how Bamba was trained) | "full" (what transformers computes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference.model import BambaReference, SequenceState
+
+from ..engine import Engine, EngineOptions, Request, RequestResult, log_softmax, parse_dtype, result_from_logprobs
+from ..schedule import Piece, RequestShape, plan_steps
+
+
+class ReferenceEngine(Engine):
+    name = "reference"
+    default_dtype = torch.float64
+    engine_arg_names = frozenset({"gated_norm"})
+    has_scheduler = True
+
+    @classmethod
+    def _unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: torch.device) -> list[str]:
+        reasons = []
+        if options.tensor_parallel_size > 1 or options.pipeline_parallel_size > 1:
+            reasons.append(f"tensor_parallel_size = {options.tensor_parallel_size}, pipeline_parallel_size = "
+                           f"{options.pipeline_parallel_size}: the reference runs on one device")
+        if options.cuda_graphs:
+            reasons.append("cuda_graphs: the reference has no graph capture")
+        state = options.ssm_state_dtype
+        if state is not None and parse_dtype(state).itemsize > dtype.itemsize:
+            reasons.append(f"ssm_state_dtype = {state} is wider than the run dtype {dtype}: the reference computes "
+                           "the recurrence in its run dtype (it has no mixed-precision scan)")
+        if options.engine_args.get("gated_norm", "grouped") not in ("grouped", "full"):
+            reasons.append(f"gated_norm: expected 'grouped' or 'full', got {options.engine_args['gated_norm']!r}")
+        return reasons
+
+    def _load(self) -> None:
+        self.model = BambaReference.from_pretrained(
+            self.checkpoint, dtype=self.dtype, device=self.device,
+            gated_norm=self.options.engine_args.get("gated_norm", "grouped"),
+            allow_long_context=self.options.allow_long_context)
+        state_dtype = self.options.ssm_state_dtype
+        self.ssm_state_dtype = parse_dtype(state_dtype) if state_dtype is not None else None
+
+    def close(self) -> None:
+        self.model = None
+        super().close()
+
+    def forward_step(self, pieces: list[Piece], tokens: list[torch.Tensor],
+                     states: list[SequenceState]) -> tuple[list[torch.Tensor], list[SequenceState]]:
+        """One engine step: the model on the packed pieces. A separate method so a test can plant a fault here."""
+        logits, new_states = self.model.forward_batch(tokens, states)
+        if self.ssm_state_dtype is not None:
+            for state in new_states:
+                state.ssm = {i: s.to(self.ssm_state_dtype).to(self.dtype) for i, s in state.ssm.items()}
+        return logits, new_states
+
+    def _run(self, requests: list[Request]) -> list[RequestResult]:
+        shapes = [RequestShape(len(r.prompt), r.max_new_tokens, r.arrival_step) for r in requests]
+        plan = plan_steps(shapes, max_num_batched_tokens=self.options.max_num_batched_tokens,
+                          max_num_seqs=self.options.max_num_seqs)
+        states = [self.model.initial_state() for _ in requests]
+        rows: list[list[torch.Tensor]] = [[] for _ in requests]    # log-softmax rows (L, V) per piece
+        outputs: list[list[int]] = [[] for _ in requests]
+        for step in plan:
+            tokens = [torch.tensor([outputs[p.request][-1]]) if p.decode
+                      else torch.tensor(requests[p.request].prompt[p.start:p.stop]) for p in step.pieces]
+            logits, new_states = self.forward_step(list(step.pieces), tokens, [states[p.request] for p in step.pieces])
+            for piece, piece_logits, state in zip(step.pieces, logits, new_states):
+                states[piece.request] = state
+                logprobs = log_softmax(piece_logits)                      # (L, V)
+                rows[piece.request].append(logprobs)
+                if piece.stop >= shapes[piece.request].prompt_len and requests[piece.request].max_new_tokens:
+                    outputs[piece.request].append(int(logprobs[-1].argmax()))
+        results = []
+        for req, req_rows, out in zip(requests, rows, outputs):
+            seq_rows = torch.cat(req_rows)                                # (T + n - 1, V) with n >= 1, else (T, V)
+            keep = len(req.prompt) - 1 + len(out)
+            results.append(result_from_logprobs(req, seq_rows[:keep], out))
+        return results

@@ -1,0 +1,80 @@
+"""The vendored engine (vendored/engine on the kernels of vendored/ops) as a harness engine.
+
+Honours max_num_batched_tokens, max_num_seqs, ssm_state_dtype, allow_long_context and arrival steps. engine_args:
+num_kv_blocks (a smaller K/V cache forces preemption), block_size. The engine is built per run, sized for the
+longest request of that run (max_model_len), so a scenario's memory is what its requests need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import Engine, EngineOptions, Request, RequestResult, dtype_name, result_from_logprobs
+
+# What the engine does when a scenario leaves a knob at None: no chunking for these prompt sizes, 64 in flight.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 64
+
+
+class VendoredEngine(Engine):
+    name = "vendored"
+    default_dtype = torch.float32
+    engine_arg_names = frozenset({"num_kv_blocks", "block_size"})
+    has_scheduler = True
+    slow_on_cpu = True          # the Triton interpreter: the generic matrix runs it under `slow`; tests/engine do not
+
+    @classmethod
+    def dependency_problem(cls) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as err:
+            return f"triton is not installed ({err})"
+        return None
+
+    @classmethod
+    def _unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: torch.device) -> list[str]:
+        reasons = []
+        if options.tensor_parallel_size > 1 or options.pipeline_parallel_size > 1:
+            reasons.append("tensor/pipeline parallelism: not in the vendored engine yet")
+        if options.cuda_graphs:
+            reasons.append("cuda_graphs: not in the vendored engine yet")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            reasons.append(f"dtype {dtype_name(dtype)}: the kernels run float32, bfloat16 or float16")
+        elif device.type == "cpu" and dtype != torch.float32:
+            reasons.append(f"dtype {dtype_name(dtype)} on cpu: the Triton interpreter runs float32 only")
+        return reasons
+
+    def _load(self) -> None:
+        from vendored.engine import LLMEngine
+
+        self._engine_class = LLMEngine
+        self.engine = None
+
+    def _build(self, max_model_len: int):
+        opts = self.options
+        return self._engine_class(
+            self.checkpoint, dtype=dtype_name(self.dtype), device=self.device,
+            max_num_batched_tokens=opts.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=opts.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=max_model_len,
+            num_kv_blocks=opts.engine_args.get("num_kv_blocks"), block_size=opts.engine_args.get("block_size", 16),
+            ssm_state_dtype=opts.ssm_state_dtype or "float32", allow_long_context=opts.allow_long_context)
+
+    def _run(self, requests: list[Request]) -> list[RequestResult]:
+        self.engine = self._build(max(len(r.prompt) + r.max_new_tokens for r in requests))
+        now = [(r.request_id, list(r.prompt), r.max_new_tokens) for r in requests if r.arrival_step == 0]
+        later: dict[int, list] = {}
+        for r in requests:
+            if r.arrival_step > 0:
+                later.setdefault(r.arrival_step, []).append((r.request_id, list(r.prompt), r.max_new_tokens))
+        top_k = max(r.top_k for r in requests)
+        outputs = {o.request_id: o for o in self.engine.generate(now, arrivals=later, top_k=top_k, keep_rows=True)}
+        results = []
+        for r in requests:
+            out = outputs[r.request_id]
+            rows = out.rows if out.rows is not None else torch.empty(0, self.cfg.vocab_size)   # a 1-token prompt
+            results.append(result_from_logprobs(r, rows, out.output_ids))
+        return results
+
+    def close(self) -> None:
+        self.engine = None
+        super().close()

@@ -1,0 +1,319 @@
+"""How a candidate is judged against a baseline: the fp64 oracle, or the same engine in another configuration.
+
+Every position is compared (DESIGN.md §4): the teacher-forced prompt logprobs at positions 1..T-1 and the logprob of
+every generated token, not only top-k containment and not only up to the first divergence.
+
+The budget. A candidate computing in dtype d may differ from the fp64 oracle by at most
+    budget = k · E(d) + atol(d)          (k = 2 by default)
+at every position, where E(d) is the error of the reference itself run in d: the largest |ref_d − ref_fp64| over
+every position of the scenario's requests (prompts and oracle continuations, teacher-forced).
+Why one max over the whole workload: the error of one position is no scale at all — it is ~0 wherever the rounding
+happens to cancel, and a per-position budget would reject a correct engine there. The error level of a dtype is a
+property of the model and the dtype, and the max over a request's 5-30 positions is still a noisy sample of it:
+measured on 5 random G = 1 checkpoints (tests/helpers.py, seeds 0-4) × 3 workloads, transformers' largest error on a
+request reached 2.9× (bf16) and 3.2× (fp32) the reference's largest error on that same request, but only 1.8× / 2.0×
+the largest over the workload. The max (not a quantile) guarantees that the reference in d passes its own budget at
+k >= 1; k = 2 leaves room for an engine that rounds in other places (fused kernels, chunked scan, another summation
+order) without hiding errors several times what the dtype itself causes.
+
+atol(d) is a floor for workloads where the reference's own error happens to be small. Measured with
+`python -m harness.measure_atol --engine NAME --dtype D --scenarios ... CKPT...` on random G = 1 checkpoints
+(torch 2.13 CPU / 2.11 on an H200, transformers 5.17), as the excess max |Δ| − 2·E:
+    transformers fp32 and bf16, batching + cudagraph-off, 5 checkpoints, CPU (bf16 also on the H200): always < 0
+        (fp32: largest |Δ| 1.1e-05 at E = 8.6e-06, E over the runs 4.4e-06..1.6e-05; bf16: 0.44 at E = 0.39).
+    vendored fp32, batching-together + chunked budgets, 3 checkpoints: Triton interpreter (CPU) +1.1e-06 in 1 of 12
+        runs (|Δ| 1.03e-05 at a token of logprob -13.2, E = 4.6e-06); compiled on the H200 +2.4e-06 and +3.2e-07
+        in 2 of 12 (largest: chunked budget 9, |Δ| 1.44e-05, E = 6.0e-06), else < 0. bf16 on the H200: always < 0.
+So atol = 1e-05 for every dtype below fp64: 4× the largest excess seen, about 10 float32 spacings of a logprob of
+magnitude 8-16 (2^-20 ≈ 9.5e-07), and negligible beside E in 16-bit dtypes (E ~ 0.1-1 on these models).
+fp64 against fp64 (the oracle chunked vs whole, E = 0): measured difference ≤ 5e-14 on these workloads; atol 1e-10.
+Relative checks (config A vs config B of one engine) use the same Budget with A as the baseline.
+
+Greedy generation: the candidate's tokens must be the baseline's. A different token at step s is legitimate only if
+the baseline's logprob of its own token exceeds its logprob of the candidate's token by at most the budget (so the
+baseline's top-2 margin is within the budget and the candidate chose one of the near-tied tokens); past that step the
+candidate is re-run teacher-forced on the baseline's tokens and those positions are compared like prompt positions.
+
+Metrics: max |Δ logprob|; mean KL(baseline ‖ candidate) over positions, on the full distributions when both sides
+return them, else on the top-k coarsening (the tokens in both top-k lists plus one bucket for the rest of the mass,
+a lower bound of the full KL; either is clamped at 0, where rounding of nearly equal distributions leaves it);
+top-1 agreement; first position whose top-1 token differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .engine import Request, RequestResult
+
+DEFAULT_K = 2.0
+ATOL: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.bfloat16: 1e-5,
+    torch.float16: 1e-5,
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The largest |Δ logprob| allowed at any position: k · reference_error + atol. reference_error 0: the baseline
+    is exact for this comparison (fp64 against fp64) and the budget is atol alone."""
+
+    k: float
+    atol: float
+    reference_error: float = 0.0
+
+    @property
+    def value(self) -> float:
+        return self.k * self.reference_error + self.atol
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One position outside the budget (what = "logprob"), a greedy token that is no near-tie ("token"), or a
+    result of the wrong shape ("shape")."""
+
+    scenario: str
+    request_id: str
+    position: int
+    where: str
+    what: str
+    baseline_token: int | None = None
+    candidate_token: int | None = None
+    baseline_logprob: float | None = None
+    candidate_logprob: float | None = None
+    budget: float = 0.0
+    baseline_name: str = "oracle"
+    detail: str = ""
+
+    def message(self) -> str:
+        head = f"{self.scenario}: request {self.request_id!r} position {self.position} ({self.where})"
+        if self.what == "logprob":
+            delta = abs(self.candidate_logprob - self.baseline_logprob)
+            return (f"{head}: token {self.baseline_token}: {self.baseline_name} logprob {self.baseline_logprob:.6f}, "
+                    f"candidate {self.candidate_logprob:.6f}, |Δ| {delta:.3g} > budget {self.budget:.3g}")
+        if self.what == "token":
+            return (f"{head}: {self.baseline_name} token {self.baseline_token} (logprob {self.baseline_logprob:.6f}), "
+                    f"candidate token {self.candidate_token} ({self.baseline_name} logprob of it "
+                    f"{self.candidate_logprob:.6f}): margin {self.baseline_logprob - self.candidate_logprob:.3g} "
+                    f"> budget {self.budget:.3g}, not a near-tie")
+        return f"{head}: {self.detail}"
+
+
+@dataclass
+class RequestComparison:
+    """Per-position records of one request; positions are numbered in the request's sequence (1..T+n-1)."""
+
+    request_id: str
+    prompt_len: int
+    positions: list[int] = field(default_factory=list)
+    deltas: list[float] = field(default_factory=list)
+    kls: list[float] = field(default_factory=list)
+    top1_agree: list[bool] = field(default_factory=list)
+    token_divergence: int | None = None
+    not_compared: list[int] = field(default_factory=list)
+
+    @property
+    def max_delta(self) -> float:
+        return max(self.deltas, default=0.0)
+
+    @property
+    def first_top1_difference(self) -> int | None:
+        return next((p for p, ok in zip(self.positions, self.top1_agree) if not ok), None)
+
+
+@dataclass
+class Report:
+    """The verdict on one scenario: every request's comparison, the failures, and the summary metrics."""
+
+    scenario: str
+    comparisons: list[RequestComparison]
+    failures: list[Failure]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def max_delta(self) -> float:
+        return max((c.max_delta for c in self.comparisons), default=0.0)
+
+    @property
+    def mean_kl(self) -> float:
+        kls = [k for c in self.comparisons for k in c.kls]
+        return sum(kls) / len(kls) if kls else 0.0
+
+    @property
+    def top1_agreement(self) -> float:
+        agree = [a for c in self.comparisons for a in c.top1_agree]
+        return sum(agree) / len(agree) if agree else 1.0
+
+    @property
+    def first_divergence(self) -> tuple[str, int] | None:
+        """(request, position) of the earliest top-1 difference over the requests, or None."""
+        firsts = [(c.first_top1_difference, c.request_id) for c in self.comparisons
+                  if c.first_top1_difference is not None]
+        return (min(firsts)[1], min(firsts)[0]) if firsts else None
+
+    def message(self, limit: int = 10) -> str:
+        lines = [f.message() for f in self.failures[:limit]]
+        if len(self.failures) > limit:
+            lines.append(f"... and {len(self.failures) - limit} more failures")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"scenario": self.scenario, "passed": self.passed, "max_abs_delta": self.max_delta,
+                "mean_kl": self.mean_kl, "top1_agreement": self.top1_agreement,
+                "first_divergence": self.first_divergence, **self.meta,
+                "failures": [asdict(f) | {"message": f.message()} for f in self.failures],
+                "requests": [asdict(c) for c in self.comparisons]}
+
+
+@dataclass
+class _Rows:
+    """One result's per-position arrays over positions 1..L (row i is position i+1); tokens are the targets."""
+
+    tokens: list[int]
+    logprobs: torch.Tensor          # (L,)
+    top_ids: torch.Tensor           # (L, K)
+    top_logprobs: torch.Tensor      # (L, K)
+    dists: torch.Tensor | None      # (L, V)
+
+    @classmethod
+    def of(cls, request: Request, result: RequestResult) -> "_Rows":
+        dists = None
+        if result.prompt_dists is not None and result.output_dists is not None:
+            dists = torch.cat([result.prompt_dists, result.output_dists])
+        return cls(list(request.prompt[1:]) + list(result.output_ids), result.sequence_logprobs(),
+                   torch.cat([result.prompt_top_ids, result.output_top_ids]),
+                   torch.cat([result.prompt_top_logprobs, result.output_top_logprobs]), dists)
+
+    def logprob_of(self, row: int, token: int) -> float:
+        """This side's logprob of `token` at `row`; -inf when only top-k is known and it is not in it."""
+        if self.dists is not None:
+            return float(self.dists[row, token])
+        hits = (self.top_ids[row] == token).nonzero()
+        return float(self.top_logprobs[row, hits[0, 0]]) if len(hits) else -math.inf
+
+
+def kl_divergence(base: _Rows, cand: _Rows, row: int) -> float:
+    """KL(base ‖ cand) at one position: full distributions when both have them, else the top-k coarsening."""
+    if base.dists is not None and cand.dists is not None:
+        p_log, q_log = base.dists[row], cand.dists[row]
+        p = p_log.exp()
+        terms = torch.where(p > 0, p * (p_log - q_log), torch.zeros_like(p))
+        return max(float(terms.sum()), 0.0)
+    b_ids, c_ids = base.top_ids[row].tolist(), cand.top_ids[row].tolist()
+    shared = [t for t in b_ids if t in c_ids]
+    p = torch.tensor([base.logprob_of(row, t) for t in shared], dtype=torch.float64).exp()
+    q = torch.tensor([cand.logprob_of(row, t) for t in shared], dtype=torch.float64).exp()
+    kl = float((p * (p.log() - q.log())).sum())
+    p_rest, q_rest = max(1.0 - float(p.sum()), 0.0), max(1.0 - float(q.sum()), 1e-300)
+    return max(kl + (p_rest * math.log(p_rest / q_rest) if p_rest > 0 else 0.0), 0.0)
+
+
+def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequence[RequestResult],
+                 candidate: Sequence[RequestResult], budget: Budget,
+                 rerun: Callable[[list[Request]], list[RequestResult]] | None = None,
+                 baseline_name: str = "oracle") -> Report:
+    """Judge `candidate` against `baseline` (results of the same requests, matched by request_id).
+
+    rerun: runs the candidate engine on teacher-forced requests (prompt + the baseline's continuation); it is called
+    once, with every request whose greedy tokens diverged. Without it the positions after a divergence are listed
+    in `not_compared`.
+    """
+    by_id = {r.request_id: r for r in requests}
+    base = {r.request_id: r for r in baseline}
+    cand = {r.request_id: r for r in candidate}
+    failures: list[Failure] = []
+    usable = []
+    for req in requests:
+        problem = _shape_problem(req, base.get(req.request_id), cand.get(req.request_id), baseline_name)
+        if problem:
+            failures.append(Failure(scenario, req.request_id, 0, "result", "shape", detail=problem,
+                                    baseline_name=baseline_name))
+        else:
+            usable.append(req.request_id)
+    diverged = [rid for rid in usable if cand[rid].output_ids != base[rid].output_ids]
+    forced: dict[str, RequestResult] = {}
+    if diverged and rerun is not None:
+        forced_reqs = [by_id[rid].teacher_forced(base[rid].output_ids) for rid in diverged]
+        forced = {r.request_id: r for r in rerun(forced_reqs)}
+    comparisons = []
+    for rid in usable:
+        comparison, found = _compare_request(scenario, by_id[rid], base[rid], cand[rid], forced.get(rid),
+                                             budget.value, baseline_name)
+        comparisons.append(comparison)
+        failures += found
+    return Report(scenario, comparisons, failures,
+                  {"k": budget.k, "atol": budget.atol, "reference_error": budget.reference_error,
+                   "budget": budget.value})
+
+
+def _shape_problem(req: Request, base: RequestResult | None, cand: RequestResult | None, baseline_name: str) -> str:
+    if base is None:
+        return f"no {baseline_name} result"
+    if cand is None:
+        return "the candidate returned no result for this request"
+    n_prompt = len(req.prompt) - 1
+    if len(cand.prompt_logprobs) != n_prompt:
+        return f"the candidate returned {len(cand.prompt_logprobs)} prompt logprobs, expected {n_prompt}"
+    if len(cand.output_ids) != req.max_new_tokens or len(cand.output_logprobs) != req.max_new_tokens:
+        return (f"the candidate returned {len(cand.output_ids)} tokens and {len(cand.output_logprobs)} logprobs, "
+                f"expected {req.max_new_tokens}")
+    return ""
+
+
+def _compare_request(scenario: str, req: Request, base_result: RequestResult, cand_result: RequestResult,
+                     forced_result: RequestResult | None, budget: float,
+                     baseline_name: str) -> tuple[RequestComparison, list[Failure]]:
+    T, n = len(req.prompt), len(base_result.output_ids)
+    base, cand = _Rows.of(req, base_result), _Rows.of(req, cand_result)
+    out = RequestComparison(req.request_id, T)
+    failures: list[Failure] = []
+    split = next((s for s in range(n) if cand_result.output_ids[s] != base_result.output_ids[s]), None)
+    direct_rows = T - 1 + (n if split is None else split)
+
+    def record(side: _Rows, row: int, where: str) -> None:
+        position = row + 1
+        b_lp, c_lp = float(base.logprobs[row]), float(side.logprobs[row])
+        delta = abs(c_lp - b_lp) if not math.isnan(c_lp) else math.inf
+        out.positions.append(position)
+        out.deltas.append(delta)
+        out.kls.append(kl_divergence(base, side, row))
+        out.top1_agree.append(int(side.top_ids[row, 0]) == int(base.top_ids[row, 0]))
+        if not delta <= budget:
+            failures.append(Failure(scenario, req.request_id, position, where, "logprob", base.tokens[row],
+                                    side.tokens[row], b_lp, c_lp, budget, baseline_name))
+
+    for row in range(direct_rows):
+        record(cand, row, "prompt" if row + 1 < T else f"generated step {row + 1 - T}")
+    if split is None:
+        return out, failures
+
+    row = T - 1 + split
+    out.token_divergence = row + 1
+    b_token, c_token = base_result.output_ids[split], cand_result.output_ids[split]
+    b_lp, c_lp_base = float(base.logprobs[row]), base.logprob_of(row, c_token)
+    if not b_lp - c_lp_base <= budget:
+        failures.append(Failure(scenario, req.request_id, row + 1, f"generated step {split}", "token", b_token,
+                                c_token, b_lp, c_lp_base, budget, baseline_name))
+    if forced_result is None:
+        out.not_compared = list(range(row + 1, T + n))
+        return out, failures
+    forced_req = req.teacher_forced(base_result.output_ids)
+    if len(forced_result.prompt_logprobs) != T - 1 + n:
+        failures.append(Failure(scenario, req.request_id, row + 1, "teacher-forced re-run", "shape",
+                                detail=f"the re-run returned {len(forced_result.prompt_logprobs)} prompt logprobs, "
+                                       f"expected {T - 1 + n}", baseline_name=baseline_name))
+        return out, failures
+    forced = _Rows.of(forced_req, forced_result)
+    for r in range(row, T - 1 + n):
+        record(forced, r, f"generated step {r + 1 - T}, teacher-forced")
+    return out, failures

@@ -1,0 +1,283 @@
+"""One interface for every engine: requests in, teacher-forced prompt logprobs and greedy continuations out.
+
+An engine is built from (checkpoint directory, dtype, device, `EngineOptions`), used as a context manager that frees
+its model on exit, and driven by `run(requests)`. The options are the knobs a scenario turns (DESIGN.md §3). An
+adapter that cannot honour an option lists the reason in `unsupported(...)`; constructing it with such an option
+raises `UnsupportedOptions`, so an option is never silently ignored.
+
+Positions: a request's tokens are numbered 0..T-1 (prompt) then T..T+n-1 (generated). Row i of every per-position
+array below is the prediction of the token at position i+1, so the prompt rows cover positions 1..T-1 and the output
+rows positions T..T+n-1. Shape letters: T prompt tokens, n generated tokens, V vocabulary, K top-k.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from reference.config import ModelConfig
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "fp64": torch.float64,
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'bfloat16' / 'bf16' / torch.bfloat16 -> torch.bfloat16; anything else is a ValueError listing the choices."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class EngineInputError(ValueError):
+    """A request no engine can process: empty prompt, token id outside the vocabulary, position past the limit."""
+
+
+class UnsupportedOptions(RuntimeError):
+    """An engine was asked for options it cannot honour; `reasons` says which and why."""
+
+    def __init__(self, engine: str, reasons: Sequence[str]) -> None:
+        self.reasons = list(reasons)
+        super().__init__(f"{engine}: " + "; ".join(self.reasons))
+
+
+@dataclass(frozen=True)
+class Request:
+    """One greedy request. prompt: token ids (T,); top_k: alternatives returned per position (prompt and output);
+    arrival_step: the engine step from which a scheduler may admit it (engines without steps refuse values > 0);
+    full_distributions: also return every position's full log-softmax (engines that cannot leave them None)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int = 0
+    top_k: int = 5
+    arrival_step: int = 0
+    full_distributions: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+
+    def teacher_forced(self, continuation: Sequence[int]) -> "Request":
+        """The same request with `continuation` appended to the prompt and nothing to generate."""
+        return Request(self.request_id, self.prompt + tuple(continuation), 0, self.top_k, 0, self.full_distributions)
+
+
+@dataclass
+class RequestResult:
+    """What an engine returns for one request (all tensors on the CPU, logprobs in float64).
+
+    prompt_logprobs (T-1,): log p(prompt[t] | prompt[:t]) for t = 1..T-1.
+    prompt_top_ids, prompt_top_logprobs (T-1, K): the K most likely tokens at each of those positions.
+    output_ids (n,): greedy tokens; output_logprobs (n,) their logprobs; output_top_* (n, K).
+    prompt_dists (T-1, V), output_dists (n, V): full log-softmax rows when the request asked and the engine can.
+    """
+
+    request_id: str
+    prompt_logprobs: torch.Tensor
+    prompt_top_ids: torch.Tensor
+    prompt_top_logprobs: torch.Tensor
+    output_ids: list[int]
+    output_logprobs: torch.Tensor
+    output_top_ids: torch.Tensor
+    output_top_logprobs: torch.Tensor
+    prompt_dists: torch.Tensor | None = None
+    output_dists: torch.Tensor | None = None
+
+    def sequence_logprobs(self) -> torch.Tensor:
+        """Logprobs of positions 1..T+n-1: prompt then output, (T-1+n,)."""
+        return torch.cat([self.prompt_logprobs, self.output_logprobs])
+
+
+def result_from_logprobs(request: Request, logprobs: torch.Tensor, output_ids: Sequence[int]) -> RequestResult:
+    """Build a RequestResult from an engine's log-softmax rows.
+
+    logprobs (T-1+n, V): row i predicts the token at position i+1 (prompt tokens 1..T-1, then the n outputs).
+    """
+    n_prompt = len(request.prompt) - 1
+    output_ids = [int(t) for t in output_ids]
+    rows = logprobs.detach().to(device="cpu", dtype=torch.float64)                  # (T-1+n, V)
+    if rows.shape[0] != n_prompt + len(output_ids):
+        raise ValueError(f"request {request.request_id!r}: {rows.shape[0]} logprob rows, expected "
+                         f"{n_prompt} prompt + {len(output_ids)} output rows")
+    targets = torch.tensor(list(request.prompt[1:]) + output_ids, dtype=torch.long)  # (T-1+n,)
+    chosen = rows.gather(1, targets[:, None])[:, 0]
+    top = rows.topk(min(request.top_k, rows.shape[1]), dim=-1)
+    full = request.full_distributions
+    return RequestResult(
+        request_id=request.request_id,
+        prompt_logprobs=chosen[:n_prompt],
+        prompt_top_ids=top.indices[:n_prompt],
+        prompt_top_logprobs=top.values[:n_prompt],
+        output_ids=output_ids,
+        output_logprobs=chosen[n_prompt:],
+        output_top_ids=top.indices[n_prompt:],
+        output_top_logprobs=top.values[n_prompt:],
+        prompt_dists=rows[:n_prompt] if full else None,
+        output_dists=rows[n_prompt:] if full else None,
+    )
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log-softmax in at least fp32, as engines compute sampling logprobs from low-precision logits."""
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The configuration knobs scenarios turn (DESIGN.md §3). None / 1 / False are "the engine's plain default".
+
+    max_num_batched_tokens: token budget of one engine step (prefill pieces and decodes together): chunked prefill.
+    max_num_seqs: requests in flight at once. ssm_state_dtype: dtype the SSM state is stored in between steps.
+    allow_long_context: accept positions past max_position_embeddings. engine_args: adapter-specific settings
+    (an adapter that does not know a key reports it as unsupported).
+    Request order is not an option: it is part of the workload (a scenario shuffles its requests).
+    """
+
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    cuda_graphs: bool = False
+    ssm_state_dtype: str | None = None
+    allow_long_context: bool = False
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: expected a positive integer or None, got {value!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+        if self.ssm_state_dtype is not None:
+            parse_dtype(self.ssm_state_dtype)
+
+    def non_default(self) -> dict[str, Any]:
+        """The options that differ from the defaults, by name."""
+        default = EngineOptions()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def check_requests(requests: Sequence[Request], cfg: ModelConfig, *, allow_long_context: bool) -> None:
+    """Raise EngineInputError naming the request (and position) of the first request no engine can process."""
+    seen: set[str] = set()
+    for req in requests:
+        rid = req.request_id
+        if rid in seen:
+            raise EngineInputError(f"request {rid!r}: duplicate request_id")
+        seen.add(rid)
+        if not req.prompt:
+            raise EngineInputError(f"request {rid!r}: empty prompt (at least one token is needed)")
+        for pos, token in enumerate(req.prompt):
+            if not 0 <= token < cfg.vocab_size:
+                raise EngineInputError(f"request {rid!r}: token id {token} at position {pos} is outside the "
+                                       f"vocabulary [0, {cfg.vocab_size})")
+        if req.max_new_tokens < 0 or req.top_k < 1 or req.arrival_step < 0:
+            raise EngineInputError(f"request {rid!r}: max_new_tokens = {req.max_new_tokens}, top_k = {req.top_k}, "
+                                   f"arrival_step = {req.arrival_step}; expected >= 0, >= 1, >= 0")
+        # The last generated token is returned, never fed back, so it needs no position of its own.
+        last = len(req.prompt) - 1 + max(req.max_new_tokens - 1, 0)
+        if last >= cfg.max_position_embeddings and not allow_long_context:
+            raise EngineInputError(
+                f"request {rid!r}: position {last} (prompt of {len(req.prompt)} tokens + {req.max_new_tokens} new) "
+                f"exceeds max_position_embeddings = {cfg.max_position_embeddings}; set "
+                "EngineOptions(allow_long_context=True) to go beyond")
+
+
+class Engine(abc.ABC):
+    """Base of every adapter. Subclasses set `name`, `default_dtype`, `engine_arg_names`, `has_scheduler` and
+    implement `_load`, `_run` and `_unsupported` (and `dependency_problem` where a package may be missing); they free
+    their model in `close`."""
+
+    name: ClassVar[str]
+    default_dtype: ClassVar[torch.dtype] = torch.float32
+    engine_arg_names: ClassVar[frozenset[str]] = frozenset()
+    has_scheduler: ClassVar[bool] = False
+    # True for engines that take many seconds per scenario without a GPU (Triton interpreter): their pytest cases
+    # are marked slow on machines without CUDA.
+    slow_on_cpu: ClassVar[bool] = False
+
+    def __init__(self, checkpoint: str | Path, *, dtype: str | torch.dtype | None = None,
+                 device: str | torch.device = "cpu", options: EngineOptions | None = None) -> None:
+        self.checkpoint = Path(checkpoint)
+        if not self.checkpoint.is_dir():
+            raise FileNotFoundError(f"{self.checkpoint}: checkpoint directory does not exist")
+        self.cfg = ModelConfig.from_json(self.checkpoint)
+        self.dtype = parse_dtype(dtype) if dtype is not None else self.default_dtype
+        self.device = torch.device(device)
+        self.options = options or EngineOptions()
+        reasons = self.unsupported(self.options, dtype=self.dtype, device=self.device)
+        if reasons:
+            raise UnsupportedOptions(self.name, reasons)
+        self._load()
+
+    @classmethod
+    def dependency_problem(cls) -> str | None:
+        """Why this engine cannot run on this machine at all (a missing package), or None."""
+        return None
+
+    @classmethod
+    def unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: str | torch.device,
+                    requests: Iterable[Request] = ()) -> list[str]:
+        """Why this engine cannot honour `options` (and the requests' arrival steps) on dtype/device; [] if it can."""
+        device = torch.device(device)
+        reasons = []
+        if device.type == "cuda" and not torch.cuda.is_available():
+            reasons.append("device cuda: no CUDA device on this machine")
+        unknown = sorted(set(options.engine_args) - cls.engine_arg_names)
+        if unknown:
+            known = ", ".join(sorted(cls.engine_arg_names)) or "none"
+            reasons.append(f"engine_args {unknown}: unknown to {cls.name} (it knows: {known})")
+        staggered = [r.request_id for r in requests if r.arrival_step > 0]
+        if staggered and not cls.has_scheduler:
+            reasons.append(f"arrival_step > 0 for requests {staggered[:4]}: {cls.name} has no scheduler steps")
+        return reasons + cls._unsupported(options, dtype=dtype, device=device)
+
+    @classmethod
+    @abc.abstractmethod
+    def _unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: torch.device) -> list[str]:
+        """The adapter's own reasons (options it cannot honour)."""
+
+    @abc.abstractmethod
+    def _load(self) -> None:
+        """Build the model on self.device in self.dtype with self.options."""
+
+    @abc.abstractmethod
+    def _run(self, requests: list[Request]) -> list[RequestResult]:
+        """Greedy-decode the (already checked) requests; results in the order of `requests`."""
+
+    def run(self, requests: Sequence[Request]) -> list[RequestResult]:
+        """Teacher-forced prompt logprobs and greedy continuations, one result per request, in request order."""
+        requests = list(requests)
+        check_requests(requests, self.cfg, allow_long_context=self.options.allow_long_context)
+        reasons = self.unsupported(self.options, dtype=self.dtype, device=self.device, requests=requests)
+        if reasons:
+            raise UnsupportedOptions(self.name, reasons)
+        return self._run(requests) if requests else []
+
+    def close(self) -> None:
+        """Free the model (subclasses drop their references and call super().close())."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

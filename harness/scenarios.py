@@ -1,0 +1,242 @@
+"""The scenario matrix (DESIGN.md §5) as data, derived from the model's SSD chunk size Q and conv width W.
+
+A scenario is a named engine configuration (`EngineOptions`) plus a workload (request shapes); its id is readable,
+e.g. `chunked_prefill-budget15-Q16`. Request lengths and token budgets are functions of Q and W, so another model
+gets its own boundary cases. Token ids come from a `PromptSource`: fixtures/prompts.jsonl when present (real text
+gives peaked distributions), else seeded random ids.
+
+Kinds: batching (alone / together / shuffled), chunked_prefill (token budgets), tp, pp, cudagraph, ssm_state_dtype,
+long. Where the piece boundaries of a chunked scenario fall is computed from the step plan of harness/schedule.py
+(vLLM v1's policy); `boundary_tags` reports it and the tests check that the budgets cover every case below.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from reference.config import ModelConfig
+
+from .engine import EngineOptions, Request
+from .schedule import RequestShape, plan_steps
+
+KINDS = ("batching", "chunked_prefill", "tp", "pp", "cudagraph", "ssm_state_dtype", "long")
+
+# What the chunked_prefill budgets must make happen somewhere (under the reference schedule), by tag.
+BOUNDARY_TAGS = {
+    "split@Q-1": "a prompt piece ends one token before a chunk boundary (position ≡ Q-1 mod Q)",
+    "split@Q": "a prompt piece ends exactly on a chunk boundary (position ≡ 0 mod Q)",
+    "split@Q+1": "a prompt piece ends one token after a chunk boundary (position ≡ 1 mod Q)",
+    "split<W-1": "a prompt piece ends inside the first W-1 tokens (the next piece's conv window reaches the start)",
+    "budget_at_sequence_end": "a step's budget runs out exactly at the end of a prompt while another prompt waits",
+    "mixed_step": "one step holds prefill pieces of several requests together with decodes",
+    "one_token_prompt_with_decodes": "a whole one-token prompt is prefilled in a step that also holds decodes",
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A named configuration plus workload. shapes: the requests (lengths, tokens to generate, arrival steps);
+    shuffle_seed: present the requests in a seeded random order; needs_cuda: skipped without a CUDA device;
+    marks: pytest markers of its cases; slow: left out unless asked for by id."""
+
+    id: str
+    kind: str
+    options: EngineOptions
+    shapes: tuple[RequestShape, ...]
+    about: str
+    shuffle_seed: int | None = None
+    needs_cuda: bool = False
+    marks: tuple[str, ...] = ()
+    slow: bool = False
+
+    def requests(self, source: "PromptSource", *, top_k: int = 5, full_distributions: bool = False) -> list[Request]:
+        """The workload's requests in presentation order; request i of the shapes is named `r{i}-len{T}`."""
+        reqs = [Request(f"r{i}-len{s.prompt_len}", source.tokens(s.prompt_len, i), s.max_new_tokens, top_k,
+                        s.arrival_step, full_distributions) for i, s in enumerate(self.shapes)]
+        if self.shuffle_seed is not None:
+            random.Random(self.shuffle_seed).shuffle(reqs)
+        return reqs
+
+
+@dataclass
+class PromptSource:
+    """Token ids for workloads. With real prompts: request `index` of length L takes the first L tokens of one of the
+    prompts at least L long (cycling through them by index), or of all prompts joined when none is that long.
+    Without: ids drawn uniformly from [0, vocab_size) by a generator seeded with (seed, index, length)."""
+
+    vocab_size: int
+    seed: int = 0
+    prompts: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, vocab_size: int) -> "PromptSource":
+        """fixtures/prompts.jsonl: one JSON object a line with token_ids (and id, kind, text, unused here)."""
+        prompts = []
+        for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            ids = [int(t) for t in json.loads(line)["token_ids"]]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{path}:{line_no}: token id {bad[0]} outside the model's vocabulary "
+                                 f"[0, {vocab_size}) (prompts made for another tokenizer?)")
+            if ids:
+                prompts.append(ids)
+        if not prompts:
+            raise ValueError(f"{path}: no prompts")
+        return cls(vocab_size, prompts=prompts)
+
+    def tokens(self, length: int, index: int) -> list[int]:
+        if not self.prompts:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 1_009 + length)
+            return torch.randint(0, self.vocab_size, (length,), generator=gen).tolist()
+        long_enough = [p for p in self.prompts if len(p) >= length]
+        if long_enough:
+            return long_enough[index % len(long_enough)][:length]
+        joined = [t for p in self.prompts for t in p]
+        return (joined * (length // len(joined) + 1))[:length]
+
+
+# ---- workloads -------------------------------------------------------------------------------------------------
+
+def batching_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
+    """Lengths 1, W-1, Q-1, Q, Q+1 and 3Q (deduplicated), 6 new tokens each."""
+    lengths = dict.fromkeys([1, W - 1, Q - 1, Q, Q + 1, 3 * Q])
+    return tuple(RequestShape(n, 6) for n in lengths if n >= 1)
+
+
+def chunked_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
+    """A prompt of several chunks first (3Q+2), then Q+1, W-1, Q, 2Q-1, and a one-token prompt arriving at step 2,
+    4 new tokens each: under every budget the short ones are prefilled while the long one decodes."""
+    return (RequestShape(3 * Q + 2, 4), RequestShape(Q + 1, 4), RequestShape(max(W - 1, 1), 4), RequestShape(Q, 4),
+            RequestShape(2 * Q - 1, 4), RequestShape(1, 4, arrival_step=2))
+
+
+def decode_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
+    """Six requests finishing one after another (2..12 new tokens): decode batches of 6, 5, 4, 3, 2, 1 rows."""
+    lengths = (Q + 1, W - 1, Q - 1, 1, Q, 2 * Q)
+    return tuple(RequestShape(max(n, 1), 2 + 2 * i) for i, n in enumerate(lengths))
+
+
+def chunked_prefill_budgets(Q: int, W: int) -> list[int]:
+    """1 (every token alone), W-1 (pieces inside the conv window, steps mixing many requests), Q-1, Q, Q+1 (piece
+    ends next to chunk boundaries) and 3Q+2, the first prompt's length (a budget that ends exactly at a prompt end)."""
+    return sorted({1, max(W - 1, 1), Q - 1, Q, Q + 1, 3 * Q + 2} - {0})
+
+
+def required_boundary_tags(W: int) -> set[str]:
+    """The BOUNDARY_TAGS a model with conv width W can have (with W <= 2 no piece can end inside the first W-1)."""
+    return set(BOUNDARY_TAGS) - ({"split<W-1"} if W <= 2 else set())
+
+
+def boundary_tags(shapes: Sequence[RequestShape], options: EngineOptions, Q: int, W: int) -> set[str]:
+    """Which BOUNDARY_TAGS the reference schedule of this workload under these options produces."""
+    plan = plan_steps(shapes, max_num_batched_tokens=options.max_num_batched_tokens,
+                      max_num_seqs=options.max_num_seqs)
+    tags: set[str] = set()
+    fed = [0] * len(shapes)
+    for step in plan:
+        prefill = [p for p in step.pieces if not p.decode]
+        decodes = len(step.pieces) - len(prefill)
+        if len(prefill) >= 2 and decodes:
+            tags.add("mixed_step")
+        for p in prefill:
+            if p.start == 0 and shapes[p.request].prompt_len == 1 and decodes:
+                tags.add("one_token_prompt_with_decodes")
+            if p.start > 0:
+                offset = p.start % Q
+                tags |= {tag for tag, hit in (("split@Q-1", offset == Q - 1), ("split@Q", offset == 0),
+                                              ("split@Q+1", offset == 1 % Q)) if hit}
+                if p.start < W - 1:
+                    tags.add("split<W-1")
+        last = step.pieces[-1]
+        for p in step.pieces:
+            fed[p.request] = p.stop
+        prompt_waits = any(fed[i] < s.prompt_len for i, s in enumerate(shapes))
+        if (step.n_tokens == options.max_num_batched_tokens and not last.decode
+                and last.stop == shapes[last.request].prompt_len and prompt_waits):
+            tags.add("budget_at_sequence_end")
+    return tags
+
+
+# ---- the matrix ------------------------------------------------------------------------------------------------
+
+def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
+    """Every scenario for this model, in KINDS order."""
+    Q, W, G = cfg.mamba_chunk_size, cfg.mamba_d_conv, cfg.mamba_n_groups
+    batch, chunked, decode = batching_shapes(Q, W), chunked_shapes(Q, W), decode_shapes(Q, W)
+    lengths = ", ".join(str(s.prompt_len) for s in batch)
+    out = [
+        Scenario("batching-alone", "batching", EngineOptions(max_num_seqs=1), batch,
+                 f"one request at a time; prompt lengths {lengths}"),
+        Scenario("batching-together", "batching", EngineOptions(), batch,
+                 f"all requests in one batch; prompt lengths {lengths}"),
+        Scenario("batching-shuffled", "batching", EngineOptions(), batch,
+                 "all requests in one batch, in a seeded random order", shuffle_seed=1234),
+    ]
+    for budget in chunked_prefill_budgets(Q, W):
+        options = EngineOptions(max_num_batched_tokens=budget)
+        tags = ", ".join(sorted(boundary_tags(chunked, options, Q, W)))
+        out.append(Scenario(f"chunked_prefill-budget{budget}-Q{Q}", "chunked_prefill", options, chunked,
+                            f"token budget {budget} per step; {tags}"))
+    tp_sizes = sorted({2, 4} | {next_power_of_two_above(G)})
+    for tp in tp_sizes:
+        facts = f"G % tp = {G % tp}{' (groups split unevenly)' if G % tp else ''}, tp {'>' if tp > G else '<='} G"
+        out.append(Scenario(f"tp-size{tp}", "tp", EngineOptions(tensor_parallel_size=tp), batch,
+                            f"tensor parallel over {tp} ranks, G = {G}: {facts}", marks=("tp",)))
+    out.append(Scenario("pp-size2", "pp", EngineOptions(pipeline_parallel_size=2), batch,
+                        "pipeline parallel over 2 ranks", marks=("tp",)))
+    out += [
+        Scenario("cudagraph-off", "cudagraph", EngineOptions(cuda_graphs=False), decode,
+                 "eager decode, batch sizes 6..1 (the baseline of cudagraph-on)", marks=("cudagraph",)),
+        Scenario("cudagraph-on", "cudagraph", EngineOptions(cuda_graphs=True), decode,
+                 "graph-captured decode; batch sizes 6, 5, 3 need padding rows", needs_cuda=True,
+                 marks=("cudagraph", "gpu")),
+    ]
+    for state_dtype in ("float32", "bfloat16"):
+        out.append(Scenario(f"ssm_state_dtype-{state_dtype}", "ssm_state_dtype",
+                            EngineOptions(ssm_state_dtype=state_dtype), decode,
+                            f"SSM state stored in {state_dtype} between steps; up to 12 decode steps"))
+    past_max = cfg.max_position_embeddings + Q + 1
+    out.append(Scenario("long-past_max_positions", "long", EngineOptions(allow_long_context=True),
+                        (RequestShape(past_max, 4),),
+                        f"a {past_max}-token prompt, past max_position_embeddings (explicit opt-in)",
+                        slow=past_max > 4096))
+    long_len = 65536 + Q + 1
+    out.append(Scenario("long-64k", "long", EngineOptions(allow_long_context=long_len > cfg.max_position_embeddings),
+                        (RequestShape(long_len, 2),),
+                        f"a {long_len}-token prompt (int32 offset overflow class)", needs_cuda=True,
+                        marks=("gpu",), slow=True))
+    return out
+
+
+def next_power_of_two_above(n: int) -> int:
+    p = 1
+    while p <= n:
+        p *= 2
+    return p
+
+
+def select_scenarios(scenarios: Sequence[Scenario], spec: str | None) -> list[Scenario]:
+    """spec: comma-separated kinds and/or scenario ids ("all" or None: every scenario not marked slow). A kind
+    selects its scenarios that are not slow; an id selects that scenario. Unknown names raise ValueError."""
+    names = [n.strip() for n in (spec or "all").split(",") if n.strip()]
+    by_id = {s.id: s for s in scenarios}
+    chosen: dict[str, Scenario] = {}
+    for name in names:
+        if name == "all":
+            chosen.update({s.id: s for s in scenarios if not s.slow})
+        elif name in KINDS:
+            chosen.update({s.id: s for s in scenarios if s.kind == name and not s.slow})
+        elif name in by_id:
+            chosen[name] = by_id[name]
+        else:
+            raise ValueError(f"unknown scenario {name!r}: expected 'all', a kind ({', '.join(KINDS)}) or an id "
+                             f"({', '.join(by_id)})")
+    return [s for s in scenarios if s.id in chosen]

@@ -1,0 +1,138 @@
+"""The scenario matrix: readable ids derived from Q and W, boundary coverage, the step plan, prompt sources."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness import pytest_plugin
+from harness.adapters.reference import ReferenceEngine
+from harness.engine import EngineOptions
+from harness.pytest_plugin import scenario_cases
+from harness.scenarios import (
+    PromptSource,
+    batching_shapes,
+    boundary_tags,
+    build_scenarios,
+    chunked_prefill_budgets,
+    chunked_shapes,
+    required_boundary_tags,
+    select_scenarios,
+)
+from harness.schedule import RequestShape, plan_steps
+from reference.config import ModelConfig
+
+
+def model(Q: int = 16, W: int = 4, G: int = 1) -> ModelConfig:
+    return ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=G, mamba_d_state=8,
+                       mamba_d_conv=W, mamba_chunk_size=Q, max_position_embeddings=512)
+
+
+def test_scenario_ids_for_q16_w4():
+    assert [s.id for s in build_scenarios(model(16, 4))] == [
+        "batching-alone", "batching-together", "batching-shuffled",
+        "chunked_prefill-budget1-Q16", "chunked_prefill-budget3-Q16", "chunked_prefill-budget15-Q16",
+        "chunked_prefill-budget16-Q16", "chunked_prefill-budget17-Q16", "chunked_prefill-budget50-Q16",
+        "tp-size2", "tp-size4", "pp-size2", "cudagraph-off", "cudagraph-on",
+        "ssm_state_dtype-float32", "ssm_state_dtype-bfloat16", "long-past_max_positions", "long-64k",
+    ]
+
+
+@pytest.mark.parametrize("Q,W", [(16, 4), (8, 4), (256, 4), (8, 2), (64, 3)])
+def test_batching_lengths_derive_from_q_and_w(Q, W):
+    lengths = {s.prompt_len for s in batching_shapes(Q, W)}
+    assert lengths == {1, W - 1, Q - 1, Q, Q + 1, 3 * Q}
+
+
+@pytest.mark.parametrize("Q,W", [(16, 4), (8, 4), (256, 4), (8, 2), (64, 3)])
+def test_chunked_budgets_cover_every_boundary_case(Q, W):
+    shapes = chunked_shapes(Q, W)
+    tags = {b: boundary_tags(shapes, EngineOptions(max_num_batched_tokens=b), Q, W)
+            for b in chunked_prefill_budgets(Q, W)}
+    assert set().union(*tags.values()) >= required_boundary_tags(W)
+    assert 1 in tags
+    assert "split@Q-1" in tags[Q - 1] and "split@Q" in tags[Q] and "split@Q+1" in tags[Q + 1]
+
+
+def test_tp_sizes_include_one_above_the_group_count():
+    ids = [s.id for s in build_scenarios(model(G=4)) if s.kind == "tp"]
+    assert ids == ["tp-size2", "tp-size4", "tp-size8"]
+
+
+def test_select_by_kind_and_id_and_unknown_names():
+    scenarios = build_scenarios(model())
+    assert {s.kind for s in select_scenarios(scenarios, "batching,tp")} == {"batching", "tp"}
+    assert [s.id for s in select_scenarios(scenarios, "long-64k")] == ["long-64k"]
+    assert "long-64k" not in [s.id for s in select_scenarios(scenarios, "all")]
+    with pytest.raises(ValueError, match="unknown scenario 'chunky'"):
+        select_scenarios(scenarios, "batching,chunky")
+
+
+def test_shuffled_presents_the_same_requests_in_another_order():
+    by_id = {s.id: s for s in build_scenarios(model())}
+    source = PromptSource(97, seed=3)
+    together = by_id["batching-together"].requests(source)
+    shuffled = by_id["batching-shuffled"].requests(source)
+    assert sorted(together, key=lambda r: r.request_id) == sorted(shuffled, key=lambda r: r.request_id)
+    assert [r.request_id for r in together] != [r.request_id for r in shuffled]
+
+
+@pytest.mark.parametrize("budget,max_seqs", [(None, None), (1, None), (7, None), (17, 2), (None, 1)],
+                         ids=["unlimited", "budget1", "budget7", "budget17-seqs2", "seqs1"])
+def test_plan_feeds_every_position_once_in_order_within_the_limits(budget, max_seqs):
+    shapes = list(chunked_shapes(16, 4)) + [RequestShape(5, 0)]
+    plan = plan_steps(shapes, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    fed = [[] for _ in shapes]
+    for step in plan:
+        assert budget is None or step.n_tokens <= budget
+        decodes = [p.decode for p in step.pieces]
+        assert decodes == sorted(decodes, reverse=True), "decodes come first in a step"
+        assert max_seqs is None or len({p.request for p in step.pieces}) <= max_seqs
+        for piece in step.pieces:
+            assert step.index >= shapes[piece.request].arrival_step
+            fed[piece.request] += list(range(piece.start, piece.stop))
+    # The prompt and every generated token but the last are fed, each once, in order.
+    assert fed == [list(range(s.prompt_len + max(s.max_new_tokens - 1, 0))) for s in shapes]
+
+
+def test_random_prompts_are_seeded_and_in_the_vocabulary():
+    source = PromptSource(97, seed=5)
+    assert source.tokens(40, 2) == PromptSource(97, seed=5).tokens(40, 2)
+    assert source.tokens(40, 2) != source.tokens(40, 3)
+    assert all(0 <= t < 97 for t in source.tokens(40, 2))
+
+
+def test_prompts_file_is_sliced_and_checked_against_the_vocabulary(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"id": "a", "kind": "text", "token_ids": [1, 2, 3], "text": "x"},
+            {"id": "b", "kind": "text", "token_ids": [4, 5], "text": "y"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    source = PromptSource.from_jsonl(path, 97)
+    assert [source.tokens(2, 0), source.tokens(2, 1), source.tokens(3, 1)] == [[1, 2], [4, 5], [1, 2, 3]]
+    assert source.tokens(7, 0) == [1, 2, 3, 4, 5, 1, 2]
+    with pytest.raises(ValueError, match="token id 5 outside the model's vocabulary"):
+        PromptSource.from_jsonl(path, 5)
+
+
+def test_case_ids_carry_engine_and_scenario_and_markers():
+    params = scenario_cases(["reference", "transformers"], model(), kinds=["cudagraph", "tp"])
+    assert [p.id for p in params] == [
+        "reference-tp-size2", "reference-tp-size4", "reference-cudagraph-off", "reference-cudagraph-on",
+        "transformers-tp-size2", "transformers-tp-size4", "transformers-cudagraph-off", "transformers-cudagraph-on",
+    ]
+    on = params[3]
+    assert {m.name for m in on.marks} == {"cudagraph", "gpu"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="engines are marked slow only where there is no CUDA device")
+def test_cases_of_an_engine_slow_without_a_gpu_are_marked_slow(monkeypatch):
+    class Slowpoke(ReferenceEngine):
+        slow_on_cpu = True
+
+    monkeypatch.setattr(pytest_plugin, "available_engines", lambda: {"slowpoke": None})
+    monkeypatch.setattr(pytest_plugin, "get_engine", lambda name: Slowpoke)
+    params = scenario_cases(["slowpoke"], model(), kinds=["batching"])
+    assert params and all("slow" in {m.name for m in p.marks} for p in params)
