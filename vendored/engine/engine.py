@@ -25,6 +25,7 @@ class RequestOutput:
     output_logprobs: list[float]
     output_top: list[list[tuple[int, float]]]     # top-k (token, logprob) at each generated step
     preemptions: int
+    rows: torch.Tensor | None = None              # (T-1+n, V) log-softmax rows when asked for (keep_rows)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,9 +79,11 @@ class LLMEngine:
                                    max_num_seqs=max_num_seqs)
         self._arrivals = 0
         self.steps = 0
+        self.total_preemptions = 0
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int = 0, top_k: int = 5) -> None:
+    def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int = 0, top_k: int = 5,
+                    keep_rows: bool = False) -> None:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise EngineError(f"request {request_id}: empty prompt")
@@ -95,7 +98,7 @@ class LLMEngine:
         if self.kv.blocks_for(total) > self.kv.num_blocks:
             raise EngineError(f"request {request_id}: needs {self.kv.blocks_for(total)} K/V blocks, the cache has "
                               f"{self.kv.num_blocks}")
-        self.scheduler.add(Sequence(request_id, prompt, max_new_tokens, top_k, self._arrivals,
+        self.scheduler.add(Sequence(request_id, prompt, max_new_tokens, top_k, self._arrivals, keep_rows=keep_rows,
                                     prompt_logprobs=[None] * (len(prompt) - 1)))
         self._arrivals += 1
 
@@ -116,6 +119,7 @@ class LLMEngine:
             self._record(piece, logits[first_row:first_row + count])
             piece.seq.num_computed += piece.length
             if piece.seq.finished:
+                self.total_preemptions += piece.seq.preemptions
                 self.scheduler.finish(piece.seq)
                 done.append(self._output(piece.seq))
         return done
@@ -167,6 +171,8 @@ class LLMEngine:
         wanted = [p for p in range(piece.start, piece.start + piece.length) if self._wants_logits(seq, p)]
         logprobs = torch.log_softmax(logits, dim=-1)                                       # (rows, V)
         for row, pos in enumerate(wanted):
+            if seq.keep_rows:
+                seq.rows[pos] = logprobs[row].cpu()
             nxt = pos + 1
             if nxt < len(seq.prompt):
                 seq.prompt_logprobs[nxt - 1] = float(logprobs[row, seq.prompt[nxt]])
@@ -179,24 +185,25 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
+        rows = torch.stack([seq.rows[p] for p in sorted(seq.rows)]) if seq.keep_rows and seq.rows else None
         return RequestOutput(seq.request_id, [float(x) for x in seq.prompt_logprobs], list(seq.output_ids),
-                             list(seq.output_logprobs), list(seq.output_top), seq.preemptions)
+                             list(seq.output_logprobs), list(seq.output_top), seq.preemptions, rows)
 
     # ---- driving -----------------------------------------------------------------------------------------
     def generate(self, requests: list[tuple[str, list[int], int]], *, arrivals: dict[int, list] | None = None,
-                 top_k: int = 5, max_steps: int = 1_000_000) -> list[RequestOutput]:
+                 top_k: int = 5, keep_rows: bool = False, max_steps: int = 1_000_000) -> list[RequestOutput]:
         """Run requests (id, prompt, max_new_tokens) to completion; arrivals maps a step number to more requests
         that arrive before that step. Returns outputs in the order the requests were given."""
         pending = dict(arrivals or {})
         order = [r[0] for r in requests] + [r[0] for step in sorted(pending) for r in pending[step]]
         for request_id, prompt, max_new in requests:
-            self.add_request(request_id, prompt, max_new, top_k)
+            self.add_request(request_id, prompt, max_new, top_k, keep_rows)
         results: dict[str, RequestOutput] = {}
         start = self.steps
         while self.has_unfinished() or pending:
             for step in [s for s in pending if s <= self.steps - start]:
                 for request_id, prompt, max_new in pending.pop(step):
-                    self.add_request(request_id, prompt, max_new, top_k)
+                    self.add_request(request_id, prompt, max_new, top_k, keep_rows)
             if not self.has_unfinished():
                 self.steps += 1                                    # an idle step until the next arrival
                 continue
