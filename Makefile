@@ -14,7 +14,7 @@ GPU_PY ?= python3
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
 	@echo "make test      the CPU suite (not gpu, not slow), in parallel; creates .venv"
-	@echo "make test-slow the slow CPU tests"
+	@echo "make test-slow the slow CPU tests (fuzz, preemption, the vendored engine's generic scenario matrix)"
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
 	@echo "make clean     remove .venv and caches"

@@ -125,9 +125,10 @@ def decode_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
 
 
 def chunked_prefill_budgets(Q: int, W: int) -> list[int]:
-    """1 (every token alone), W-1 (pieces inside the conv window, steps mixing many requests), Q-1, Q, Q+1 (piece
-    ends next to chunk boundaries) and 3Q+2, the first prompt's length (a budget that ends exactly at a prompt end)."""
-    return sorted({1, max(W - 1, 1), Q - 1, Q, Q + 1, 3 * Q + 2} - {0})
+    """1 (every token alone), 2, W-1 (pieces inside the conv window, steps mixing many requests), Q-1, Q, Q+1 (piece
+    ends next to chunk boundaries), 2Q+1 (a piece spanning two chunk edges), 3Q+2, the first prompt's length (a
+    budget that ends exactly at a prompt end), and 1000 (no prompt of the workload is split)."""
+    return sorted({1, 2, max(W - 1, 1), Q - 1, Q, Q + 1, 2 * Q + 1, 3 * Q + 2, 1000} - {0})
 
 
 def required_boundary_tags(W: int) -> set[str]:

@@ -34,8 +34,9 @@ def model(Q: int = 16, W: int = 4, G: int = 1) -> ModelConfig:
 def test_scenario_ids_for_q16_w4():
     assert [s.id for s in build_scenarios(model(16, 4))] == [
         "batching-alone", "batching-together", "batching-shuffled",
-        "chunked_prefill-budget1-Q16", "chunked_prefill-budget3-Q16", "chunked_prefill-budget15-Q16",
-        "chunked_prefill-budget16-Q16", "chunked_prefill-budget17-Q16", "chunked_prefill-budget50-Q16",
+        "chunked_prefill-budget1-Q16", "chunked_prefill-budget2-Q16", "chunked_prefill-budget3-Q16",
+        "chunked_prefill-budget15-Q16", "chunked_prefill-budget16-Q16", "chunked_prefill-budget17-Q16",
+        "chunked_prefill-budget33-Q16", "chunked_prefill-budget50-Q16", "chunked_prefill-budget1000-Q16",
         "tp-size2", "tp-size4", "pp-size2", "cudagraph-off", "cudagraph-on",
         "ssm_state_dtype-float32", "ssm_state_dtype-bfloat16", "long-past_max_positions", "long-64k",
     ]
