@@ -12,8 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Keep CPU runs deterministic and from oversubscribing the cores that pytest-xdist already fills.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist already fills the cores with one worker each: one torch thread per worker, or they fight (a module
+# measured 18 s alone took 170 s with 2 threads in each of 2 workers on 2 cores).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 # `--engine NAME` and the (engine, scenario) parametrization of harness tests (harness/pytest_plugin.py).
 pytest_plugins = ["harness.pytest_plugin"]
