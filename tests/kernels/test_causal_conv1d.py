@@ -97,8 +97,8 @@ def test_one_sequence(length, initial):
 
 @pytest.mark.parametrize("n_groups", [1, 2, H], ids=lambda g: f"G{g}")
 def test_five_sequences_boundaries_anywhere(n_groups):
-    # Boundaries at 1, 3, 20, 22, 53: inside and on the edges of the kernel's 16-token tiles.
-    run_and_check([1, 2, 17, 2, 31], [True, False, True, True, False], n_channels=channels(n_groups))
+    # Boundaries at 1, 3, 63, 65, 96: inside the kernel's 64-token tiles, and a two-token sequence across the edge.
+    run_and_check([1, 2, 60, 2, 31], [True, False, True, True, False], n_channels=channels(n_groups))
 
 
 def test_pieces_shorter_than_window_keep_old_window():

@@ -15,6 +15,7 @@ ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
 
 EPS = 1e-5
 H, P = 4, 16                            # CPU width D· = H·P = 64
+ROWS = 67                               # past the interpreter's 64-row block: the last block is partial
 
 
 def run_and_check(shape: tuple[int, ...], group_size: int, *, with_gate: bool = True, norm_before_gate: bool = False,
@@ -45,7 +46,7 @@ def run_and_check(shape: tuple[int, ...], group_size: int, *, with_gate: bool = 
 @pytest.mark.parametrize("width, group_size", [(64, 64), (64, 32), (64, 16), (96, 48), (96, 12)],
                          ids=["D64-group64", "D64-group32", "D64-group16", "D96-group48", "D96-group12"])
 def test_groups_and_gate_position(width, group_size, norm_before_gate):
-    run_and_check((7, width), group_size, norm_before_gate=norm_before_gate)
+    run_and_check((ROWS, width), group_size, norm_before_gate=norm_before_gate)
 
 
 def test_without_gate():

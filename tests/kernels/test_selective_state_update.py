@@ -77,8 +77,9 @@ def test_groups_interleaved_with_padding_rows(n_groups):
 
 
 def test_awkward_sizes():
-    # P and N not powers of two (masked tiles), 3 heads per group.
-    run_and_check([2, PAD, 8], make_inputs(3, n_heads=6, head_dim=12, d_state=10, n_groups=2, seed=1))
+    # P and N not powers of two (masked tiles), 3 heads per group; more heads and channels than the interpreter's
+    # 4-head, 16-channel tile, so the last tile of each is partial.
+    run_and_check([2, PAD, 8], make_inputs(3, n_heads=6, head_dim=20, d_state=10, n_groups=2, seed=1))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -162,10 +162,11 @@ def test_packed_sequences_all_or_no_initial_states(initial):
     check_against_twin(Case(lengths=PACKED["inside-chunks"], initial=initial))
 
 
-@pytest.mark.parametrize("n_groups", [pytest.param(1, id="G1"), pytest.param(4, id="G4-equals-H")])
-def test_groups(n_groups):
-    # G=2 (two heads per group, where interleaved and tiled differ) is the default of every other case
-    check_against_twin(Case(lengths=PACKED["inside-chunks"], n_groups=n_groups))
+@pytest.mark.parametrize("n_heads, n_groups", [pytest.param(6, 1, id="H6-G1"), pytest.param(4, 4, id="G4-equals-H")])
+def test_groups(n_heads, n_groups):
+    # G=2 (two heads per group, where interleaved and tiled differ) is the default of every other case. Six heads
+    # fill the interpreter's 4-head blocks one and a half times.
+    check_against_twin(Case(lengths=PACKED["inside-chunks"], n_heads=n_heads, n_groups=n_groups))
 
 
 @pytest.mark.parametrize("missing", ["z", "D", "dt_bias"])

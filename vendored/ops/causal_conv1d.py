@@ -93,81 +93,87 @@ def _causal_conv1d_fwd_kernel(
 @triton.jit
 def _causal_conv1d_final_state_fwd_kernel(
     x_ptr, conv_states_ptr, cu_seqlens_ptr, state_indices_ptr, has_initial_state_ptr,
-    n_channels,
+    n_seqs, n_channels,
     stride_x_t, stride_x_c,
     stride_states_s, stride_states_c, stride_states_w,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Slot state_indices[b] <- last W-1 entries of sequence b's window [initial | inputs], for BLOCK_C channels."""
-    b = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                  # (BLOCK_C,)
+    """Slot state_indices[b] <- last W-1 entries of sequence b's window [initial | inputs], for BLOCK_B sequences
+    and BLOCK_C channels."""
+    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)       # (BLOCK_B,)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)       # (BLOCK_C,)
     offs_w = tl.arange(0, BLOCK_W)                                     # (BLOCK_W,) column of the new window
-    mask_c = offs_c < n_channels
-    mask = mask_c[:, None] & (offs_w < WIDTH - 1)[None, :]             # (BLOCK_C, BLOCK_W)
+    mask_b = offs_b < n_seqs
+    mask = (mask_b[:, None, None] & (offs_c < n_channels)[None, :, None]
+            & (offs_w < WIDTH - 1)[None, None, :])                     # (BLOCK_B, BLOCK_C, BLOCK_W)
 
-    start = tl.load(cu_seqlens_ptr + b)
-    length = tl.load(cu_seqlens_ptr + b + 1) - start
-    slot = tl.load(state_indices_ptr + b).to(tl.int64)
-    has_initial = tl.load(has_initial_state_ptr + b) != 0
+    start = tl.load(cu_seqlens_ptr + offs_b, mask=mask_b, other=0)    # (BLOCK_B,)
+    length = tl.load(cu_seqlens_ptr + offs_b + 1, mask=mask_b, other=0) - start
+    slot = tl.load(state_indices_ptr + offs_b, mask=mask_b, other=0).to(tl.int64)
+    has_initial = tl.load(has_initial_state_ptr + offs_b, mask=mask_b, other=0) != 0
 
     # New column i is window entry length + i: an input when it is >= W-1, else the old column length + i.
-    entry = length + offs_w                                            # (BLOCK_W,)
-    from_x = (entry >= WIDTH - 1)[None, :]
-    token = (start + entry - (WIDTH - 1)).to(tl.int64)                 # (BLOCK_W,) packed index when from_x
-    x_vals = tl.load(x_ptr + token[None, :] * stride_x_t + offs_c[:, None] * stride_x_c,
+    entry = length[:, None] + offs_w[None, :]                          # (BLOCK_B, BLOCK_W)
+    from_x = (entry >= WIDTH - 1)[:, None, :]                          # (BLOCK_B, 1, BLOCK_W)
+    token = (start[:, None] + entry - (WIDTH - 1)).to(tl.int64)        # (BLOCK_B, BLOCK_W) packed index when from_x
+    x_vals = tl.load(x_ptr + token[:, None, :] * stride_x_t + offs_c[None, :, None] * stride_x_c,
                      mask=mask & from_x, other=0.0)
-    state_base = conv_states_ptr + slot * stride_states_s + offs_c[:, None] * stride_states_c
-    old_vals = tl.load(state_base + entry[None, :] * stride_states_w, mask=mask & ~from_x & has_initial, other=0.0)
-    new_vals = x_vals.to(tl.float32) + old_vals.to(tl.float32)         # (BLOCK_C, BLOCK_W)
-    tl.store(state_base + offs_w[None, :] * stride_states_w, new_vals.to(conv_states_ptr.dtype.element_ty),
+    state_base = (conv_states_ptr + (slot * stride_states_s)[:, None, None]
+                  + offs_c[None, :, None] * stride_states_c)           # (BLOCK_B, BLOCK_C, 1)
+    old_vals = tl.load(state_base + entry[:, None, :] * stride_states_w,
+                       mask=mask & ~from_x & has_initial[:, None, None], other=0.0)
+    new_vals = x_vals.to(tl.float32) + old_vals.to(tl.float32)         # (BLOCK_B, BLOCK_C, BLOCK_W)
+    tl.store(state_base + offs_w[None, None, :] * stride_states_w, new_vals.to(conv_states_ptr.dtype.element_ty),
              mask=mask)
 
 
 @triton.jit
 def _causal_conv1d_update_fwd_kernel(
     x_ptr, conv_states_ptr, weight_ptr, bias_ptr, state_indices_ptr, out_ptr,
-    n_channels, pad_slot_id,
+    n_rows, n_channels, pad_slot_id,
     stride_x_b, stride_x_c,
     stride_states_s, stride_states_c, stride_states_w,
     stride_weight_c, stride_weight_w,
     stride_bias_c,
     stride_out_b, stride_out_c,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """One decode row b, BLOCK_C channels: out = act(window · weight + bias); the slot's window shifts by one."""
-    b = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                  # (BLOCK_C,)
+    """BLOCK_B decode rows, BLOCK_C channels: out = act(window · weight + bias); each slot's window shifts by one."""
+    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)       # (BLOCK_B,)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)       # (BLOCK_C,)
     offs_w = tl.arange(0, BLOCK_W)                                     # (BLOCK_W,)
+    mask_b = offs_b < n_rows
     mask_c = offs_c < n_channels
-    slot = tl.load(state_indices_ptr + b).to(tl.int64)
-    out_ptrs = out_ptr + b.to(tl.int64) * stride_out_b + offs_c * stride_out_c
-    if slot == pad_slot_id:
-        tl.store(out_ptrs, tl.zeros([BLOCK_C], dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=mask_c)
-    else:
-        x_new = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + offs_c * stride_x_c, mask=mask_c, other=0.0)
-        x_new = x_new.to(tl.float32)                                   # (BLOCK_C,)
-        state_base = conv_states_ptr + slot * stride_states_s + offs_c[:, None] * stride_states_c
-        in_state = mask_c[:, None] & (offs_w < WIDTH - 1)[None, :]
-        # window (C, W) = [old columns 0..W-2 | x]; shifted (C, W-1) = [old columns 1..W-2 | x]. Both are read
-        # before the slot is written.
-        window = tl.load(state_base + offs_w[None, :] * stride_states_w, mask=in_state, other=0.0).to(tl.float32)
-        window += tl.where((offs_w == WIDTH - 1)[None, :], x_new[:, None], 0.0)
-        shifted = tl.load(state_base + (offs_w + 1)[None, :] * stride_states_w,
-                          mask=mask_c[:, None] & (offs_w < WIDTH - 2)[None, :], other=0.0).to(tl.float32)
-        shifted += tl.where((offs_w == WIDTH - 2)[None, :], x_new[:, None], 0.0)
-        weight = tl.load(weight_ptr + offs_c[:, None] * stride_weight_c + offs_w[None, :] * stride_weight_w,
-                         mask=mask_c[:, None] & (offs_w < WIDTH)[None, :], other=0.0).to(tl.float32)
-        acc = tl.sum(window * weight, axis=1)                          # (BLOCK_C,)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)
-        if APPLY_SILU:
-            acc = _silu(acc)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_c)
-        tl.store(state_base + offs_w[None, :] * stride_states_w, shifted.to(conv_states_ptr.dtype.element_ty),
-                 mask=in_state)
+    offs_b = offs_b.to(tl.int64)
+    slot = tl.load(state_indices_ptr + offs_b, mask=mask_b, other=pad_slot_id).to(tl.int64)
+    # A padding row reads and writes no slot (nor its input) and outputs 0.
+    live = mask_b & (slot != pad_slot_id)                              # (BLOCK_B,)
+    live_c = live[:, None] & mask_c[None, :]                           # (BLOCK_B, BLOCK_C)
+    x_new = tl.load(x_ptr + offs_b[:, None] * stride_x_b + offs_c[None, :] * stride_x_c, mask=live_c, other=0.0)
+    x_new = x_new.to(tl.float32)[:, :, None]                           # (BLOCK_B, BLOCK_C, 1)
+    state_base = (conv_states_ptr + (slot * stride_states_s)[:, None, None]
+                  + offs_c[None, :, None] * stride_states_c)           # (BLOCK_B, BLOCK_C, 1)
+    in_state = live_c[:, :, None] & (offs_w < WIDTH - 1)[None, None, :]   # (BLOCK_B, BLOCK_C, BLOCK_W)
+    # window (C, W) = [old columns 0..W-2 | x]; shifted (C, W-1) = [old columns 1..W-2 | x]. Both are read
+    # before the slot is written.
+    window = tl.load(state_base + offs_w[None, None, :] * stride_states_w, mask=in_state, other=0.0).to(tl.float32)
+    window += tl.where((offs_w == WIDTH - 1)[None, None, :], x_new, 0.0)
+    shifted = tl.load(state_base + (offs_w + 1)[None, None, :] * stride_states_w,
+                      mask=live_c[:, :, None] & (offs_w < WIDTH - 2)[None, None, :], other=0.0).to(tl.float32)
+    shifted += tl.where((offs_w == WIDTH - 2)[None, None, :], x_new, 0.0)
+    weight = tl.load(weight_ptr + offs_c[:, None] * stride_weight_c + offs_w[None, :] * stride_weight_w,
+                     mask=mask_c[:, None] & (offs_w < WIDTH)[None, :], other=0.0).to(tl.float32)   # (BLOCK_C, BLOCK_W)
+    acc = tl.sum(window * weight[None, :, :], axis=2)                  # (BLOCK_B, BLOCK_C)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if APPLY_SILU:
+        acc = _silu(acc)
+    acc = tl.where(live[:, None], acc, 0.0)
+    tl.store(out_ptr + offs_b[:, None] * stride_out_b + offs_c[None, :] * stride_out_c,
+             acc.to(out_ptr.dtype.element_ty), mask=mask_b[:, None] & mask_c[None, :])
+    tl.store(state_base + offs_w[None, None, :] * stride_states_w, shifted.to(conv_states_ptr.dtype.element_ty),
+             mask=in_state)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,9 +225,11 @@ def _check_conv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return width
 
 
-def _block_sizes(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_C): GPU tiles sized for bandwidth; interpreter tiles small so that tests cross tile edges."""
-    return (64, 128) if device.type == "cuda" else (16, 64)
+def _block_sizes(device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_C, BLOCK_B). GPU: tiles sized for bandwidth, one sequence or decode row per program.
+    Interpreter, where every program costs the same fixed time whatever its size: the GPU's tile (tests with more
+    tokens or channels cross its edges), and 4 sequences or decode rows, so that test batches cross row blocks."""
+    return (64, 128, 1) if device.type == "cuda" else (64, 128, 4)
 
 
 def causal_conv1d(
@@ -262,7 +270,7 @@ def causal_conv1d(
         raise ValueError(f"state_indices: expected distinct slots in [0, {conv_states.shape[0]}), got {slots}")
 
     out = torch.empty((n_tokens, n_channels), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    block_t, block_c = _block_sizes(x.device)
+    block_t, block_c, block_b = _block_sizes(x.device)
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
     if n_tokens > 0:
         grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_channels, block_c))
@@ -277,12 +285,12 @@ def causal_conv1d(
             WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu, BLOCK_T=block_t, BLOCK_C=block_c,
         )
     if n_seqs > 0:
-        _causal_conv1d_final_state_fwd_kernel[(n_seqs, triton.cdiv(n_channels, block_c))](
+        _causal_conv1d_final_state_fwd_kernel[(triton.cdiv(n_seqs, block_b), triton.cdiv(n_channels, block_c))](
             x, conv_states, cu_seqlens, state_indices, has_initial_state,
-            n_channels,
+            n_seqs, n_channels,
             x.stride(0), x.stride(1),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
-            WIDTH=width, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_C=block_c,
+            WIDTH=width, BLOCK_B=block_b, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_C=block_c,
         )
     return out
 
@@ -311,17 +319,17 @@ def causal_conv1d_update(
     out = torch.empty((n_rows, n_channels), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if n_rows == 0:
         return out
-    _, block_c = _block_sizes(x.device)
+    _, block_c, block_b = _block_sizes(x.device)
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
-    _causal_conv1d_update_fwd_kernel[(n_rows, triton.cdiv(n_channels, block_c))](
+    _causal_conv1d_update_fwd_kernel[(triton.cdiv(n_rows, block_b), triton.cdiv(n_channels, block_c))](
         x, conv_states, weight, bias_arg, state_indices, out,
-        n_channels, pad_slot_id,
+        n_rows, n_channels, pad_slot_id,
         x.stride(0), x.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
         weight.stride(0), weight.stride(1),
         bias_arg.stride(0),
         out.stride(0), out.stride(1),
         WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu,
-        BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c,
+        BLOCK_B=block_b, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c,
     )
     return out

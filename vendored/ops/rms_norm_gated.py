@@ -19,44 +19,57 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _rms_norm_gated_fwd_kernel(
     x_ptr, gate_ptr, weight_ptr, out_ptr,
-    group_size, eps,
+    n_rows, group_size, eps,
     stride_x_t, stride_x_d,
     stride_gate_t, stride_gate_d,
     stride_weight_d,
     stride_out_t, stride_out_d,
-    HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Row t, group g: two passes over the group's channels in BLOCK_D pieces (sum of squares, then write)."""
-    t = tl.program_id(0).to(tl.int64)
+    """BLOCK_ROWS rows, group g: two passes over the group's channels in BLOCK_D pieces (sum of squares, then write)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # (BLOCK_ROWS,)
+    mask_t = (rows < n_rows)[:, None]                                  # (BLOCK_ROWS, 1)
+    rows = rows.to(tl.int64)[:, None]
     group_start = tl.program_id(1) * group_size
-    x_row = x_ptr + t * stride_x_t
-    gate_row = gate_ptr + t * stride_gate_t
-    out_row = out_ptr + t * stride_out_t
+    x_rows = x_ptr + rows * stride_x_t                                 # (BLOCK_ROWS, 1)
+    gate_rows = gate_ptr + rows * stride_gate_t
+    out_rows = out_ptr + rows * stride_out_t
 
-    sum_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
     for start in range(0, group_size, BLOCK_D):
         offs = group_start + start + tl.arange(0, BLOCK_D)             # (BLOCK_D,) channel index in the row
-        mask = offs < group_start + group_size
-        h = tl.load(x_row + offs * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+        mask = mask_t & (offs < group_start + group_size)[None, :]     # (BLOCK_ROWS, BLOCK_D)
+        h = tl.load(x_rows + offs[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE and not NORM_BEFORE_GATE:
-            gate = tl.load(gate_row + offs * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
+            gate = tl.load(gate_rows + offs[None, :] * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
             h *= gate / (1.0 + tl.exp(-gate))
         sum_sq += h * h
-    inv_rms = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / group_size + eps)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / group_size + eps)   # (BLOCK_ROWS,)
 
     for start in range(0, group_size, BLOCK_D):
         offs = group_start + start + tl.arange(0, BLOCK_D)
-        mask = offs < group_start + group_size
-        h = tl.load(x_row + offs * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+        mask_d = offs < group_start + group_size
+        mask = mask_t & mask_d[None, :]
+        h = tl.load(x_rows + offs[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
-            gate = tl.load(gate_row + offs * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
+            gate = tl.load(gate_rows + offs[None, :] * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
             silu_gate = gate / (1.0 + tl.exp(-gate))
             if not NORM_BEFORE_GATE:
                 h *= silu_gate
-        h = h * inv_rms * tl.load(weight_ptr + offs * stride_weight_d, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + offs * stride_weight_d, mask=mask_d, other=0.0).to(tl.float32)
+        h = h * inv_rms[:, None] * weight[None, :]
         if HAS_GATE and NORM_BEFORE_GATE:
             h *= silu_gate
-        tl.store(out_row + offs * stride_out_d, h.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows + offs[None, :] * stride_out_d, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_sizes(group_size: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_ROWS, BLOCK_D). GPU: one row per program and the whole group in one piece up to 4096 channels.
+    Interpreter, where every program costs the same fixed time: 64 rows per program, and 32-channel pieces so that
+    groups wider than 32 are read in several pieces, as the GPU reads groups wider than 4096."""
+    if device.type == "cuda":
+        return 1, min(triton.next_power_of_2(group_size), 4096)
+    return 64, min(triton.next_power_of_2(group_size), 32)
 
 
 def rms_norm_gated(
@@ -94,16 +107,16 @@ def rms_norm_gated(
     out = torch.empty(x_rows.shape, dtype=x.dtype, device=x.device)    # (T, D·)
     if out.numel() == 0:
         return out.reshape(x.shape)
-    max_block = 4096 if x.device.type == "cuda" else 32              # interpreter: several pieces per group
-    block_d = min(triton.next_power_of_2(group_size), max_block)
-    _rms_norm_gated_fwd_kernel[(x_rows.shape[0], width // group_size)](
+    n_rows = x_rows.shape[0]
+    block_rows, block_d = _block_sizes(group_size, x.device)
+    _rms_norm_gated_fwd_kernel[(triton.cdiv(n_rows, block_rows), width // group_size)](
         x_rows, gate_rows, weight, out,
-        group_size, eps,
+        n_rows, group_size, eps,
         x_rows.stride(0), x_rows.stride(1),
         gate_rows.stride(0), gate_rows.stride(1),
         weight.stride(0),
         out.stride(0), out.stride(1),
-        HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK_D=block_d,
+        HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
         num_warps=8 if block_d >= 2048 else 4,
     )
     return out.reshape(x.shape)

@@ -33,7 +33,7 @@ def _softplus(v):
 @triton.jit
 def _selective_state_update_fwd_kernel(
     ssm_states_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, z_ptr, state_indices_ptr, y_ptr,
-    head_dim, d_state, heads_per_group, pad_slot_id, dt_min, dt_max,
+    n_rows, n_heads, head_dim, d_state, heads_per_group, pad_slot_id, dt_min, dt_max,
     stride_states_s, stride_states_h, stride_states_p, stride_states_n,
     stride_x_b, stride_x_h, stride_x_p,
     stride_dt_b, stride_dt_h,
@@ -45,50 +45,58 @@ def _selective_state_update_fwd_kernel(
     stride_z_b, stride_z_h, stride_z_p,
     stride_y_b, stride_y_h, stride_y_p,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_DT_LIMIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DT_LIMIT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Row b, head h, BLOCK_P of the head's P channels, all N state columns (BLOCK_N >= N)."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    pid_p = tl.program_id(2)
-    g = h // heads_per_group                                           # interleaved: heads [g·H/G, (g+1)·H/G)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)                   # (BLOCK_P,)
+    """BLOCK_B rows × BLOCK_H heads (S pairs, row-major), BLOCK_P of each head's P channels, all N state columns
+    (BLOCK_N >= N)."""
+    offs_s = tl.arange(0, BLOCK_B * BLOCK_H)                           # (S,) a (row, head) pair
+    b = tl.program_id(0) * BLOCK_B + offs_s // BLOCK_H
+    h = tl.program_id(1) * BLOCK_H + offs_s % BLOCK_H
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)       # (BLOCK_P,)
     offs_n = tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
+    g = h // heads_per_group                                           # interleaved: heads [g·H/G, (g+1)·H/G)
+    mask_s = (b < n_rows) & (h < n_heads)
+    b = b.to(tl.int64)
+    slot = tl.load(state_indices_ptr + b, mask=mask_s, other=pad_slot_id).to(tl.int64)
+    # A padding row reads and writes no slot (nor any input) and outputs 0.
+    live = mask_s & (slot != pad_slot_id)                              # (S,)
     mask_p = offs_p < head_dim
-    mask_n = offs_n < d_state
-    slot = tl.load(state_indices_ptr + b).to(tl.int64)
-    y_ptrs = y_ptr + b * stride_y_b + h * stride_y_h + offs_p * stride_y_p
-    if slot == pad_slot_id:
-        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32).to(y_ptr.dtype.element_ty), mask=mask_p)
-    else:
-        dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
-        if HAS_DT_BIAS:
-            dt += tl.load(dt_bias_ptr + h * stride_dt_bias_h).to(tl.float32)
-        if DT_SOFTPLUS:
-            dt = _softplus(dt)
-        if HAS_DT_LIMIT:
-            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        decay = tl.exp(dt * tl.load(A_ptr + h * stride_A_h).to(tl.float32))
+    live_p = live[:, None] & mask_p[None, :]                           # (S, BLOCK_P)
+    live_n = live[:, None] & (offs_n < d_state)[None, :]               # (S, BLOCK_N)
 
-        x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p, mask=mask_p, other=0.0)
-        x = x.to(tl.float32)                                           # (BLOCK_P,)
-        B = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n * stride_B_n, mask=mask_n, other=0.0)
-        C = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n * stride_C_n, mask=mask_n, other=0.0)
-        state_ptrs = (ssm_states_ptr + slot * stride_states_s + h * stride_states_h
-                      + offs_p[:, None] * stride_states_p + offs_n[None, :] * stride_states_n)
-        mask_pn = mask_p[:, None] & mask_n[None, :]
-        state = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(tl.float32)   # (BLOCK_P, BLOCK_N)
-        state = decay * state + (dt * x)[:, None] * B.to(tl.float32)[None, :]
-        tl.store(state_ptrs, state.to(ssm_states_ptr.dtype.element_ty), mask=mask_pn)
+    dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h, mask=live, other=0.0).to(tl.float32)   # (S,)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + h * stride_dt_bias_h, mask=live, other=0.0).to(tl.float32)
+    if DT_SOFTPLUS:
+        dt = _softplus(dt)
+    if HAS_DT_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    decay = tl.exp(dt * tl.load(A_ptr + h * stride_A_h, mask=live, other=0.0).to(tl.float32))
 
-        y = tl.sum(state * C.to(tl.float32)[None, :], axis=1)          # (BLOCK_P,)
-        if HAS_D:
-            y += tl.load(D_ptr + h * stride_D_h).to(tl.float32) * x
-        if HAS_Z:
-            z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p * stride_z_p, mask=mask_p, other=0.0)
-            z = z.to(tl.float32)
-            y *= z / (1.0 + tl.exp(-z))
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_p)
+    x = tl.load(x_ptr + b[:, None] * stride_x_b + h[:, None] * stride_x_h + offs_p[None, :] * stride_x_p,
+                mask=live_p, other=0.0).to(tl.float32)                 # (S, BLOCK_P)
+    B = tl.load(B_ptr + b[:, None] * stride_B_b + g[:, None] * stride_B_g + offs_n[None, :] * stride_B_n,
+                mask=live_n, other=0.0).to(tl.float32)                 # (S, BLOCK_N)
+    C = tl.load(C_ptr + b[:, None] * stride_C_b + g[:, None] * stride_C_g + offs_n[None, :] * stride_C_n,
+                mask=live_n, other=0.0).to(tl.float32)
+    state_ptrs = (ssm_states_ptr + (slot * stride_states_s + h * stride_states_h)[:, None, None]
+                  + offs_p[None, :, None] * stride_states_p + offs_n[None, None, :] * stride_states_n)
+    live_pn = live_p[:, :, None] & live_n[:, None, :]                  # (S, BLOCK_P, BLOCK_N)
+    state = tl.load(state_ptrs, mask=live_pn, other=0.0).to(tl.float32)
+    state = decay[:, None, None] * state + (dt[:, None] * x)[:, :, None] * B[:, None, :]
+    tl.store(state_ptrs, state.to(ssm_states_ptr.dtype.element_ty), mask=live_pn)
+
+    y = tl.sum(state * C[:, None, :], axis=2)                          # (S, BLOCK_P)
+    if HAS_D:
+        y += tl.load(D_ptr + h * stride_D_h, mask=live, other=0.0).to(tl.float32)[:, None] * x
+    if HAS_Z:
+        z = tl.load(z_ptr + b[:, None] * stride_z_b + h[:, None] * stride_z_h + offs_p[None, :] * stride_z_p,
+                    mask=live_p, other=0.0).to(tl.float32)
+        y *= z / (1.0 + tl.exp(-z))
+    y = tl.where(live[:, None], y, 0.0)
+    tl.store(y_ptr + b[:, None] * stride_y_b + h[:, None] * stride_y_h + offs_p[None, :] * stride_y_p,
+             y.to(y_ptr.dtype.element_ty), mask=mask_s[:, None] & mask_p[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -106,10 +114,14 @@ def _expect_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name}: expected dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
 
 
-def _block_p(head_dim: int, device: torch.device) -> int:
-    """Channels per program: a quarter of a 64-wide head on the GPU (parallelism at batch 1), 8 in the interpreter
-    so that tests cross a tile edge."""
-    return min(triton.next_power_of_2(head_dim), 16 if device.type == "cuda" else 8)
+def _block_sizes(n_heads: int, head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_B, BLOCK_H, BLOCK_P). GPU: one row, one head and a quarter of a 64-wide head per program (parallelism
+    at batch 1). Interpreter, where every program costs the same fixed time: up to 4 rows, 4 heads and 16 channels
+    per program, so that tests with more rows, heads or channels than that still cross tile edges."""
+    block_p = min(triton.next_power_of_2(head_dim), 16)
+    if device.type == "cuda":
+        return 1, 1, block_p
+    return 4, min(triton.next_power_of_2(n_heads), 4), block_p
 
 
 def selective_state_update(
@@ -171,14 +183,14 @@ def selective_state_update(
                     device=x.device)
     if n_rows == 0:
         return y
-    block_p = _block_p(head_dim, x.device)
+    block_b, block_h, block_p = _block_sizes(n_heads, head_dim, x.device)
     stand_in = A                                                       # never read when its flag is False
     D_arg, dt_bias_arg = (D if D is not None else stand_in), (dt_bias if dt_bias is not None else stand_in)
     z_arg = z if z is not None else x
-    grid = (n_rows, n_heads, triton.cdiv(head_dim, block_p))
+    grid = (triton.cdiv(n_rows, block_b), triton.cdiv(n_heads, block_h), triton.cdiv(head_dim, block_p))
     _selective_state_update_fwd_kernel[grid](
         ssm_states, x, dt, A, B, C, D_arg, dt_bias_arg, z_arg, state_indices, y,
-        head_dim, d_state, n_heads // n_groups, pad_slot_id, float(dt_min), float(dt_max),
+        n_rows, n_heads, head_dim, d_state, n_heads // n_groups, pad_slot_id, float(dt_min), float(dt_max),
         *ssm_states.stride(),
         *x.stride(),
         *dt.stride(),
@@ -190,6 +202,7 @@ def selective_state_update(
         *z_arg.stride(),
         *y.stride(),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
-        HAS_DT_LIMIT=dt_min > 0.0 or dt_max < math.inf, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state),
+        HAS_DT_LIMIT=dt_min > 0.0 or dt_max < math.inf,
+        BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state),
     )
     return y

@@ -16,9 +16,11 @@ sequence boundary may fall anywhere in the packed token axis. Four stages, one k
                     each chunk, S_in; write the final state to the sequence's slot.
   4. chunk scan     y_t = exp(cs_t)·C_t·S_in + Σ_{s≤t} exp(cs_t - cs_s)·(C_t·B_s)·Δ_s·x_s + D·x_t,
                     then ·silu(z_t).
-Grids: (NC, H/BLOCK_H); (NC, H, P/BLOCK_P · N/BLOCK_N); (B, H, P/BLOCK_P · N/BLOCK_N);
-(NC · Q/BLOCK_M, H, P/BLOCK_P), with NC = T // Q + B, a bound on the number of logical chunks known without
-reading cu_seqlens back, so the host never waits for the device.
+Grids: (NC/BLOCK_C, H/BLOCK_H); (NC/BLOCK_C, H/BLOCK_H, P/BLOCK_P · N/BLOCK_N); (B, H/BLOCK_H, P/BLOCK_P · N/BLOCK_N);
+(NC/BLOCK_C · Q/BLOCK_M, H/BLOCK_H, P/BLOCK_P), with NC = T // Q + B, a bound on the number of logical chunks known
+without reading cu_seqlens back, so the host never waits for the device. On the GPU, BLOCK_C = 1 and, past stage 1,
+BLOCK_H = 1; the Triton interpreter (CPU) takes several chunks and heads per program, as a leading batch dimension
+of every tile, because there each program costs a fixed time whatever its size.
 
 Every product and sum runs in fp32 whatever the input dtype (x, B, C, z: fp32, bf16 or fp16; dt any float):
 inputs are loaded and cast to fp32, and tl.dot runs with input_precision="ieee" (no TF32), so the only rounding to a
@@ -35,6 +37,7 @@ its sequence has an initial state.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,26 +65,27 @@ def _state_tile(pid, d_state, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _ssd_chunk_cumsum_fwd_kernel(
     dt_ptr, A_ptr, dt_bias_ptr, delta_ptr, dA_cumsum_ptr, chunk_start_ptr, chunk_len_ptr,
-    n_heads, dt_min, dt_max,
+    n_chunks, n_heads, dt_min, dt_max,
     stride_dt_t, stride_dt_h,
     stride_cs_c, stride_cs_h,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Stage 1: Δ (zero past the chunk's end) and the in-chunk cumulative sum of Δ·A, one chunk, BLOCK_H heads."""
-    pid_c = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    start = tl.load(chunk_start_ptr + pid_c).to(tl.int64)
-    length = tl.load(chunk_len_ptr + pid_c)
-    offs_t = tl.arange(0, BLOCK_Q)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    """Stage 1: Δ (zero past the chunk's end) and the in-chunk cumulative sum of Δ·A, BLOCK_C chunks, BLOCK_H heads."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)                          # (BLOCK_C,)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                          # (BLOCK_H,)
+    offs_t = tl.arange(0, BLOCK_Q)                                                        # (BLOCK_Q,)
+    mask_c = offs_c < n_chunks
     mask_h = offs_h < n_heads
-    mask = (offs_t < length)[:, None] & mask_h[None, :]                                   # (BLOCK_Q, BLOCK_H)
+    start = tl.load(chunk_start_ptr + offs_c, mask=mask_c, other=0).to(tl.int64)         # (BLOCK_C,)
+    length = tl.load(chunk_len_ptr + offs_c, mask=mask_c, other=0)
+    mask = (offs_t[None, :] < length[:, None])[:, :, None] & mask_h[None, None, :]       # (BLOCK_C, BLOCK_Q, BLOCK_H)
 
-    dt = tl.load(dt_ptr + (start + offs_t)[:, None] * stride_dt_t + offs_h[None, :] * stride_dt_h,
-                 mask=mask, other=0.0).to(tl.float32)                                     # (BLOCK_Q, BLOCK_H)
+    tok = start[:, None] + offs_t[None, :]                                                # (BLOCK_C, BLOCK_Q) int64
+    dt = tl.load(dt_ptr + tok[:, :, None] * stride_dt_t + offs_h[None, None, :] * stride_dt_h,
+                 mask=mask, other=0.0).to(tl.float32)                                     # (BLOCK_C, BLOCK_Q, BLOCK_H)
     if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[None, :]
+        dt += tl.load(dt_bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[None, None, :]
     if DT_SOFTPLUS:
         # torch's softplus threshold: the identity above 20 (also keeps exp from overflowing)
         dt = tl.where(dt <= 20.0, _log1p(tl.exp(tl.minimum(dt, 20.0))), dt)
@@ -89,77 +93,98 @@ def _ssd_chunk_cumsum_fwd_kernel(
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     delta = tl.where(mask, dt, 0.0)
     A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)                   # (BLOCK_H,)
-    dA_cumsum = tl.cumsum((delta * A[None, :]).to(tl.float64), axis=0)                    # (BLOCK_Q, BLOCK_H)
+    dA_cumsum = tl.cumsum((delta * A[None, None, :]).to(tl.float64), axis=1)             # (BLOCK_C, BLOCK_Q, BLOCK_H)
 
-    offs = pid_c.to(tl.int64) * stride_cs_c + offs_h[None, :] * stride_cs_h + offs_t[:, None]
-    tl.store(delta_ptr + offs, delta, mask=mask_h[None, :])
-    tl.store(dA_cumsum_ptr + offs, dA_cumsum, mask=mask_h[None, :])
+    offs = (offs_c.to(tl.int64)[:, None, None] * stride_cs_c + offs_h[None, None, :] * stride_cs_h
+            + offs_t[None, :, None])
+    mask_ch = mask_c[:, None, None] & mask_h[None, None, :]
+    tl.store(delta_ptr + offs, delta, mask=mask_ch)
+    tl.store(dA_cumsum_ptr + offs, dA_cumsum, mask=mask_ch)
+
+
+@triton.jit
+def _chunk_head_pairs(pid_c, pid_h, n_chunks, n_heads, chunk_start_ptr, chunk_len_ptr,
+                      BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The BLOCK_C · BLOCK_H (chunk, head) pairs of a program, chunk-major: chunk, head, whether the pair exists,
+    and the chunk's first token (int64) and length (0 for a pair that does not exist), each (BLOCK_C · BLOCK_H,)."""
+    offs_s = tl.arange(0, BLOCK_C * BLOCK_H)
+    chunk = pid_c * BLOCK_C + offs_s // BLOCK_H
+    head = pid_h * BLOCK_H + offs_s % BLOCK_H
+    mask_s = (chunk < n_chunks) & (head < n_heads)
+    start = tl.load(chunk_start_ptr + chunk, mask=mask_s, other=0).to(tl.int64)
+    length = tl.load(chunk_len_ptr + chunk, mask=mask_s, other=0)
+    return chunk, head, mask_s, start, length
 
 
 @triton.jit
 def _ssd_chunk_state_fwd_kernel(
     x_ptr, B_ptr, delta_ptr, dA_cumsum_ptr, states_ptr, chunk_start_ptr, chunk_len_ptr,
-    head_dim, d_state, heads_per_group,
+    n_chunks, n_heads, head_dim, d_state, heads_per_group,
     stride_x_t, stride_x_h, stride_x_p,
     stride_B_t, stride_B_g, stride_B_n,
     stride_cs_c, stride_cs_h,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Stage 2: one chunk's own final state from a zero start, a (BLOCK_P, BLOCK_N) tile of it for one head."""
-    pid_c = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    """Stage 2: each chunk's own final state from a zero start, a (BLOCK_P, BLOCK_N) tile of it, for BLOCK_C chunks
+    × BLOCK_H heads: one batch entry S of the (batched) products per (chunk, head) pair."""
+    chunk, head, mask_s, start, length = _chunk_head_pairs(
+        tl.program_id(0), tl.program_id(1), n_chunks, n_heads, chunk_start_ptr, chunk_len_ptr, BLOCK_C, BLOCK_H)
     offs_p, offs_n = _state_tile(tl.program_id(2), d_state, BLOCK_P, BLOCK_N)
     mask_p = offs_p < head_dim
     mask_n = offs_n < d_state
-    group = pid_h // heads_per_group                       # interleaved: heads [g·H/G, (g+1)·H/G) read group g
-    start = tl.load(chunk_start_ptr + pid_c).to(tl.int64)
-    length = tl.load(chunk_len_ptr + pid_c)
-    cs_base = pid_c.to(tl.int64) * stride_cs_c + pid_h * stride_cs_h
-    dA_last = tl.load(dA_cumsum_ptr + cs_base + tl.maximum(length - 1, 0))
+    group = head // heads_per_group                        # interleaved: heads [g·H/G, (g+1)·H/G) read group g
+    cs_base = chunk.to(tl.int64) * stride_cs_c + head * stride_cs_h                        # (S,)
+    dA_last = tl.load(dA_cumsum_ptr + cs_base + tl.maximum(length - 1, 0), mask=mask_s, other=0.0)
 
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, length, BLOCK_K):
+    acc = tl.zeros((BLOCK_C * BLOCK_H, BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.max(length, axis=0), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < length
-        tok = start + offs_k                                                              # (BLOCK_K,) int64
-        x = tl.load(x_ptr + tok[None, :] * stride_x_t + pid_h * stride_x_h + offs_p[:, None] * stride_x_p,
-                    mask=mask_p[:, None] & mask_k[None, :], other=0.0).to(tl.float32)     # (BLOCK_P, BLOCK_K)
-        b = tl.load(B_ptr + tok[:, None] * stride_B_t + group * stride_B_g + offs_n[None, :] * stride_B_n,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)     # (BLOCK_K, BLOCK_N)
-        dA = tl.load(dA_cumsum_ptr + cs_base + offs_k, mask=mask_k, other=0.0)           # (BLOCK_K,)
-        delta = tl.load(delta_ptr + cs_base + offs_k, mask=mask_k, other=0.0)
-        scale = tl.where(mask_k, tl.exp((dA_last - dA).to(tl.float32)) * delta, 0.0)   # decay from k to the end, ·Δ
-        acc += tl.dot(x * scale[None, :], b, input_precision="ieee")
+        mask_k = offs_k[None, :] < length[:, None]                                       # (S, BLOCK_K)
+        tok = start[:, None] + offs_k[None, :]                                            # (S, BLOCK_K) int64
+        x = tl.load(x_ptr + tok[:, None, :] * stride_x_t + head[:, None, None] * stride_x_h
+                    + offs_p[None, :, None] * stride_x_p,
+                    mask=mask_p[None, :, None] & mask_k[:, None, :], other=0.0).to(tl.float32)   # (S, BLOCK_P, BLOCK_K)
+        b = tl.load(B_ptr + tok[:, :, None] * stride_B_t + group[:, None, None] * stride_B_g
+                    + offs_n[None, None, :] * stride_B_n,
+                    mask=mask_k[:, :, None] & mask_n[None, None, :], other=0.0).to(tl.float32)   # (S, BLOCK_K, BLOCK_N)
+        dA = tl.load(dA_cumsum_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)   # (S, BLOCK_K)
+        delta = tl.load(delta_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)
+        scale = tl.where(mask_k, tl.exp((dA_last[:, None] - dA).to(tl.float32)) * delta, 0.0)   # decay to the end, ·Δ
+        acc += tl.dot(x * scale[:, None, :], b, input_precision="ieee")
 
-    offs = (pid_c.to(tl.int64) * stride_st_c + pid_h * stride_st_h
-            + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n)
-    tl.store(states_ptr + offs, acc, mask=mask_p[:, None] & mask_n[None, :])
+    offs = (chunk.to(tl.int64)[:, None, None] * stride_st_c + head[:, None, None] * stride_st_h
+            + offs_p[None, :, None] * stride_st_p + offs_n[None, None, :] * stride_st_n)
+    tl.store(states_ptr + offs, acc, mask=mask_s[:, None, None] & mask_p[None, :, None] & mask_n[None, None, :])
 
 
 @triton.jit
 def _ssd_state_passing_fwd_kernel(
     states_ptr, dA_cumsum_ptr, chunk_len_ptr, seq_chunks_ptr,
     ssm_states_ptr, state_indices_ptr, has_initial_state_ptr,
-    head_dim, d_state,
+    n_heads, head_dim, d_state,
     stride_cs_c, stride_cs_h,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_pool_s, stride_pool_h, stride_pool_p, stride_pool_n,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Stage 3: for one sequence and head, a (BLOCK_P, BLOCK_N) tile of the state walked across its chunks.
+    """Stage 3: for one sequence and BLOCK_H heads, a (BLOCK_P, BLOCK_N) tile of the state walked across its chunks.
 
     In place: states[c] holds chunk c's own state on entry and the state entering chunk c on exit.
     """
     pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                          # (BLOCK_H,)
     offs_p, offs_n = _state_tile(tl.program_id(2), d_state, BLOCK_P, BLOCK_N)
-    mask = (offs_p < head_dim)[:, None] & (offs_n < d_state)[None, :]                     # (BLOCK_P, BLOCK_N)
+    mask_h = offs_h < n_heads
+    mask = (mask_h[:, None, None] & (offs_p < head_dim)[None, :, None]
+            & (offs_n < d_state)[None, None, :])                                          # (BLOCK_H, BLOCK_P, BLOCK_N)
+    tile_offs = offs_p[None, :, None] * stride_st_p + offs_n[None, None, :] * stride_st_n  # (1, BLOCK_P, BLOCK_N)
 
     slot = tl.load(state_indices_ptr + pid_b).to(tl.int64)
     has_initial = tl.load(has_initial_state_ptr + pid_b) != 0
-    pool_offs = (slot * stride_pool_s + pid_h * stride_pool_h
-                 + offs_p[:, None] * stride_pool_p + offs_n[None, :] * stride_pool_n)
+    pool_offs = (slot * stride_pool_s + offs_h[:, None, None] * stride_pool_h
+                 + offs_p[None, :, None] * stride_pool_p + offs_n[None, None, :] * stride_pool_n)
     # the slot is read only when the sequence has an initial state: otherwise it may hold anything (NaN included)
     state = tl.load(ssm_states_ptr + pool_offs, mask=mask & has_initial, other=0.0).to(tl.float32)
 
@@ -167,20 +192,19 @@ def _ssd_state_passing_fwd_kernel(
     n_chunks = tl.load(seq_chunks_ptr + pid_b + 1) - tl.load(seq_chunks_ptr + pid_b)
     for i in range(0, n_chunks):
         c = first_chunk + i                                                               # int64
-        offs = (c * stride_st_c + pid_h * stride_st_h
-                + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n)
+        offs = c * stride_st_c + offs_h[:, None, None] * stride_st_h + tile_offs
         own = tl.load(states_ptr + offs, mask=mask, other=0.0)
         tl.store(states_ptr + offs, state, mask=mask)
         length = tl.load(chunk_len_ptr + c)
-        decay = tl.exp(tl.load(dA_cumsum_ptr + c * stride_cs_c + pid_h * stride_cs_h + length - 1).to(tl.float32))
-        state = decay * state + own
+        dA_last = tl.load(dA_cumsum_ptr + c * stride_cs_c + offs_h * stride_cs_h + length - 1, mask=mask_h, other=0.0)
+        state = tl.exp(dA_last.to(tl.float32))[:, None, None] * state + own
     tl.store(ssm_states_ptr + pool_offs, state.to(ssm_states_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _ssd_chunk_scan_fwd_kernel(
     x_ptr, z_ptr, B_ptr, C_ptr, D_ptr, delta_ptr, dA_cumsum_ptr, states_ptr, y_ptr, chunk_start_ptr, chunk_len_ptr,
-    head_dim, d_state, heads_per_group,
+    n_chunks, n_heads, head_dim, d_state, heads_per_group,
     stride_x_t, stride_x_h, stride_x_p,
     stride_z_t, stride_z_h, stride_z_p,
     stride_B_t, stride_B_g, stride_B_n,
@@ -188,71 +212,76 @@ def _ssd_chunk_scan_fwd_kernel(
     stride_cs_c, stride_cs_h,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_y_t, stride_y_h, stride_y_p,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, M_BLOCKS: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Stage 4: a (BLOCK_M, BLOCK_P) tile of y for rows of one chunk and one head."""
-    pid_c = tl.program_id(0) // M_BLOCKS
+    """Stage 4: a (BLOCK_M, BLOCK_P) tile of y for rows of one chunk and one head, for BLOCK_C chunks × BLOCK_H heads:
+    one batch entry S of the (batched) products per (chunk, head) pair."""
     pid_m = tl.program_id(0) % M_BLOCKS
-    pid_h = tl.program_id(1)
-    pid_p = tl.program_id(2)
-    group = pid_h // heads_per_group
-    start = tl.load(chunk_start_ptr + pid_c).to(tl.int64)
-    length = tl.load(chunk_len_ptr + pid_c)
+    chunk, head, mask_s, start, length = _chunk_head_pairs(
+        tl.program_id(0) // M_BLOCKS, tl.program_id(1), n_chunks, n_heads, chunk_start_ptr, chunk_len_ptr,
+        BLOCK_C, BLOCK_H)
+    group = head // heads_per_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    mask_m = offs_m < length
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_m = offs_m[None, :] < length[:, None]                                           # (S, BLOCK_M)
     mask_p = offs_p < head_dim
-    tok_m = start + offs_m                                                                # (BLOCK_M,) int64
-    cs_base = pid_c.to(tl.int64) * stride_cs_c + pid_h * stride_cs_h
-    dA_m = tl.load(dA_cumsum_ptr + cs_base + offs_m, mask=mask_m, other=0.0)             # (BLOCK_M,)
+    tok_m = start[:, None] + offs_m[None, :]                                              # (S, BLOCK_M) int64
+    cs_base = chunk.to(tl.int64) * stride_cs_c + head * stride_cs_h                        # (S,)
+    dA_m = tl.load(dA_cumsum_ptr + cs_base[:, None] + offs_m[None, :], mask=mask_m, other=0.0)   # (S, BLOCK_M)
 
     # the state entering the chunk, read out by C and decayed from the chunk's (= its sequence's) start to row m
-    st_base = pid_c.to(tl.int64) * stride_st_c + pid_h * stride_st_h
-    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    st_base = chunk.to(tl.int64) * stride_st_c + head * stride_st_h                        # (S,)
+    acc = tl.zeros((BLOCK_C * BLOCK_H, BLOCK_M, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, d_state, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < d_state
-        c = tl.load(C_ptr + tok_m[:, None] * stride_C_t + group * stride_C_g + offs_n[None, :] * stride_C_n,
-                    mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)     # (BLOCK_M, BLOCK_N)
-        s = tl.load(states_ptr + st_base + offs_n[:, None] * stride_st_n + offs_p[None, :] * stride_st_p,
-                    mask=mask_n[:, None] & mask_p[None, :], other=0.0)                    # (BLOCK_N, BLOCK_P)
+        c = tl.load(C_ptr + tok_m[:, :, None] * stride_C_t + group[:, None, None] * stride_C_g
+                    + offs_n[None, None, :] * stride_C_n,
+                    mask=mask_m[:, :, None] & mask_n[None, None, :], other=0.0).to(tl.float32)   # (S, BLOCK_M, BLOCK_N)
+        s = tl.load(states_ptr + st_base[:, None, None] + offs_n[None, :, None] * stride_st_n
+                    + offs_p[None, None, :] * stride_st_p,
+                    mask=mask_s[:, None, None] & mask_n[None, :, None] & mask_p[None, None, :],
+                    other=0.0)                                                            # (S, BLOCK_N, BLOCK_P)
         acc += tl.dot(c, s, input_precision="ieee")
-    acc *= tl.exp(dA_m.to(tl.float32))[:, None]
+    acc *= tl.exp(dA_m.to(tl.float32))[:, :, None]
 
     # inside the chunk: (C Bᵀ ∘ L)·(Δx) with L[m, k] = exp(cs_m - cs_k) for k ≤ m; columns up to the tile's last row
-    for k0 in range(0, tl.minimum(length, (pid_m + 1) * BLOCK_M), BLOCK_K):
+    for k0 in range(0, tl.minimum(tl.max(length, axis=0), (pid_m + 1) * BLOCK_M), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < length
-        tok_k = start + offs_k                                                            # (BLOCK_K,) int64
-        cb = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        mask_k = offs_k[None, :] < length[:, None]                                       # (S, BLOCK_K)
+        tok_k = start[:, None] + offs_k[None, :]                                          # (S, BLOCK_K) int64
+        cb = tl.zeros((BLOCK_C * BLOCK_H, BLOCK_M, BLOCK_K), dtype=tl.float32)
         for n0 in range(0, d_state, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < d_state
-            c = tl.load(C_ptr + tok_m[:, None] * stride_C_t + group * stride_C_g + offs_n[None, :] * stride_C_n,
-                        mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
-            b = tl.load(B_ptr + tok_k[None, :] * stride_B_t + group * stride_B_g + offs_n[:, None] * stride_B_n,
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_K)
+            c = tl.load(C_ptr + tok_m[:, :, None] * stride_C_t + group[:, None, None] * stride_C_g
+                        + offs_n[None, None, :] * stride_C_n,
+                        mask=mask_m[:, :, None] & mask_n[None, None, :], other=0.0).to(tl.float32)  # (S, M, N)
+            b = tl.load(B_ptr + tok_k[:, None, :] * stride_B_t + group[:, None, None] * stride_B_g
+                        + offs_n[None, :, None] * stride_B_n,
+                        mask=mask_n[None, :, None] & mask_k[:, None, :], other=0.0).to(tl.float32)  # (S, N, K)
             cb += tl.dot(c, b, input_precision="ieee")
-        dA_k = tl.load(dA_cumsum_ptr + cs_base + offs_k, mask=mask_k, other=0.0)         # (BLOCK_K,)
-        delta_k = tl.load(delta_ptr + cs_base + offs_k, mask=mask_k, other=0.0)
-        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :]                   # (BLOCK_M, BLOCK_K)
-        decay = tl.exp(tl.where(causal, (dA_m[:, None] - dA_k[None, :]).to(tl.float32), float("-inf")))
-        x_k = tl.load(x_ptr + tok_k[:, None] * stride_x_t + pid_h * stride_x_h + offs_p[None, :] * stride_x_p,
-                      mask=mask_k[:, None] & mask_p[None, :], other=0.0).to(tl.float32)   # (BLOCK_K, BLOCK_P)
-        acc += tl.dot(cb * decay * delta_k[None, :], x_k, input_precision="ieee")
+        dA_k = tl.load(dA_cumsum_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)   # (S, BLOCK_K)
+        delta_k = tl.load(delta_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)
+        causal = (offs_m[:, None] >= offs_k[None, :])[None, :, :] & mask_k[:, None, :]   # (S, BLOCK_M, BLOCK_K)
+        decay = tl.exp(tl.where(causal, (dA_m[:, :, None] - dA_k[:, None, :]).to(tl.float32), float("-inf")))
+        x_k = tl.load(x_ptr + tok_k[:, :, None] * stride_x_t + head[:, None, None] * stride_x_h
+                      + offs_p[None, None, :] * stride_x_p,
+                      mask=mask_k[:, :, None] & mask_p[None, None, :], other=0.0).to(tl.float32)   # (S, K, P)
+        acc += tl.dot(cb * decay * delta_k[:, None, :], x_k, input_precision="ieee")
 
-    mask = mask_m[:, None] & mask_p[None, :]                                              # (BLOCK_M, BLOCK_P)
+    mask = mask_m[:, :, None] & mask_p[None, None, :]                                     # (S, BLOCK_M, BLOCK_P)
     if HAS_D:
-        x_m = tl.load(x_ptr + tok_m[:, None] * stride_x_t + pid_h * stride_x_h + offs_p[None, :] * stride_x_p,
-                      mask=mask, other=0.0).to(tl.float32)
-        acc += tl.load(D_ptr + pid_h).to(tl.float32) * x_m
+        x_m = tl.load(x_ptr + tok_m[:, :, None] * stride_x_t + head[:, None, None] * stride_x_h
+                      + offs_p[None, None, :] * stride_x_p, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(D_ptr + head, mask=mask_s, other=0.0).to(tl.float32)[:, None, None] * x_m
     if HAS_Z:
-        z_m = tl.load(z_ptr + tok_m[:, None] * stride_z_t + pid_h * stride_z_h + offs_p[None, :] * stride_z_p,
-                      mask=mask, other=0.0).to(tl.float32)
+        z_m = tl.load(z_ptr + tok_m[:, :, None] * stride_z_t + head[:, None, None] * stride_z_h
+                      + offs_p[None, None, :] * stride_z_p, mask=mask, other=0.0).to(tl.float32)
         acc *= z_m * tl.sigmoid(z_m)
-    tl.store(y_ptr + tok_m[:, None] * stride_y_t + pid_h * stride_y_h + offs_p[None, :] * stride_y_p,
-             acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + tok_m[:, :, None] * stride_y_t + head[:, None, None] * stride_y_h
+             + offs_p[None, None, :] * stride_y_p, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _logical_chunks(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: int):
@@ -273,6 +302,35 @@ def _logical_chunks(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: int):
     chunk_len = (cu[seq + 1] - chunk_start).clamp(0, chunk_size)
     chunk_len = torch.where(chunk < seq_chunks[-1], chunk_len, 0)
     return chunk_start.to(torch.int32), chunk_len.to(torch.int32), seq_chunks.to(torch.int32)
+
+
+class _Blocks(NamedTuple):
+    """Tile sizes. q: a chunk padded to a power of two; m: the rows (and columns) of a stage-4 tile; p, n: a state
+    tile; h_cumsum: heads per stage-1 program; c, h: chunks and heads per program of every stage that has them."""
+    q: int
+    m: int
+    p: int
+    n: int
+    h_cumsum: int
+    c: int
+    h: int
+
+
+def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, device: torch.device) -> _Blocks:
+    """tl.dot needs every side >= 16, so q, m, p and n are padded up to that. GPU: one chunk per program, and one
+    head per program past stage 1; the grid supplies the parallelism. Interpreter, where every program costs the
+    same fixed time whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4
+    heads per program, so that tests with more chunks or heads than that still cross block edges."""
+    block_q = max(16, triton.next_power_of_2(chunk_size))
+    block_m = min(64, block_q)
+    on_gpu = device.type == "cuda"
+    return _Blocks(
+        q=block_q, m=block_m,
+        p=min(64, max(16, triton.next_power_of_2(head_dim))), n=min(64, max(16, triton.next_power_of_2(d_state))),
+        h_cumsum=min(16, triton.next_power_of_2(n_heads)),
+        c=1 if on_gpu else 256 // block_m,
+        h=1 if on_gpu else min(4, triton.next_power_of_2(n_heads)),
+    )
 
 
 def _check_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...], letters: str) -> None:
@@ -338,54 +396,52 @@ def ssd_scan(
         return y
     chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, chunk_size, n_tokens)
     n_chunks = chunk_start.shape[0]                                                       # NC (an upper bound)
-    block_q = max(16, triton.next_power_of_2(chunk_size))
-    block_h = min(16, triton.next_power_of_2(n_heads))
-    block_m = min(64, block_q)
-    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
-    block_n = min(64, max(16, triton.next_power_of_2(d_state)))
-    tiles_pn = triton.cdiv(head_dim, block_p) * triton.cdiv(d_state, block_n)
+    blocks = _block_sizes(chunk_size, n_heads, head_dim, d_state, x.device)
+    tiles_pn = triton.cdiv(head_dim, blocks.p) * triton.cdiv(d_state, blocks.n)
+    chunk_blocks = triton.cdiv(n_chunks, blocks.c)
+    head_blocks = triton.cdiv(n_heads, blocks.h)
     f32 = dict(dtype=torch.float32, device=x.device)
 
-    delta = torch.empty(n_chunks, n_heads, block_q, **f32)                               # (NC, H, Q)
-    dA_cumsum = torch.empty(n_chunks, n_heads, block_q, dtype=torch.float64, device=x.device)   # (NC, H, Q)
+    delta = torch.empty(n_chunks, n_heads, blocks.q, **f32)                              # (NC, H, Q)
+    dA_cumsum = torch.empty(n_chunks, n_heads, blocks.q, dtype=torch.float64, device=x.device)   # (NC, H, Q)
     dt_min, dt_max = dt_limit
     has_dt_limit = dt_min > 0.0 or dt_max < math.inf
-    _ssd_chunk_cumsum_fwd_kernel[(n_chunks, triton.cdiv(n_heads, block_h))](
+    _ssd_chunk_cumsum_fwd_kernel[(chunk_blocks, triton.cdiv(n_heads, blocks.h_cumsum))](
         dt, A, dt_bias if dt_bias is not None else A, delta, dA_cumsum, chunk_start, chunk_len,
-        n_heads, float(dt_min), min(float(dt_max), torch.finfo(torch.float32).max),
+        n_chunks, n_heads, float(dt_min), min(float(dt_max), torch.finfo(torch.float32).max),
         dt.stride(0), dt.stride(1),
         delta.stride(0), delta.stride(1),
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_dt_limit,
-        BLOCK_Q=block_q, BLOCK_H=block_h,
+        BLOCK_C=blocks.c, BLOCK_Q=blocks.q, BLOCK_H=blocks.h_cumsum,
     )
 
     states = torch.empty(n_chunks, n_heads, head_dim, d_state, **f32)                    # (NC, H, P, N)
     heads_per_group = n_heads // n_groups
-    _ssd_chunk_state_fwd_kernel[(n_chunks, n_heads, tiles_pn)](
+    _ssd_chunk_state_fwd_kernel[(chunk_blocks, head_blocks, tiles_pn)](
         x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
-        head_dim, d_state, heads_per_group,
+        n_chunks, n_heads, head_dim, d_state, heads_per_group,
         x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2),
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
-        BLOCK_K=block_m, BLOCK_P=block_p, BLOCK_N=block_n,
+        BLOCK_C=blocks.c, BLOCK_H=blocks.h, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n,
     )
 
-    _ssd_state_passing_fwd_kernel[(n_seqs, n_heads, tiles_pn)](
+    _ssd_state_passing_fwd_kernel[(n_seqs, head_blocks, tiles_pn)](
         states, dA_cumsum, chunk_len, seq_chunks,
         ssm_states, state_indices, has_initial_state.to(torch.int32),
-        head_dim, d_state,
+        n_heads, head_dim, d_state,
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
-        BLOCK_P=block_p, BLOCK_N=block_n,
+        BLOCK_H=blocks.h, BLOCK_P=blocks.p, BLOCK_N=blocks.n,
     )
 
-    m_blocks = block_q // block_m
-    _ssd_chunk_scan_fwd_kernel[(n_chunks * m_blocks, n_heads, triton.cdiv(head_dim, block_p))](
+    m_blocks = blocks.q // blocks.m
+    _ssd_chunk_scan_fwd_kernel[(chunk_blocks * m_blocks, head_blocks, triton.cdiv(head_dim, blocks.p))](
         x, z if z is not None else x, B, C, D if D is not None else A, delta, dA_cumsum, states, y,
         chunk_start, chunk_len,
-        head_dim, d_state, heads_per_group,
+        n_chunks, n_heads, head_dim, d_state, heads_per_group,
         x.stride(0), x.stride(1), x.stride(2),
         *(z.stride() if z is not None else (0, 0, 0)),
         B.stride(0), B.stride(1), B.stride(2),
@@ -393,7 +449,7 @@ def ssd_scan(
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         y.stride(0), y.stride(1), y.stride(2),
-        HAS_D=D is not None, HAS_Z=z is not None, M_BLOCKS=m_blocks,
-        BLOCK_M=block_m, BLOCK_K=block_m, BLOCK_P=block_p, BLOCK_N=block_n,
+        HAS_D=D is not None, HAS_Z=z is not None, M_BLOCKS=m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
+        BLOCK_M=blocks.m, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n,
     )
     return y

@@ -1,0 +1,181 @@
+"""Compile every kernel of vendored/ops ahead of time for Hopper (sm_90), on a machine without a GPU.
+
+    python -m vendored.ops._compile_check
+
+The CPU test suite runs the kernels in the Triton interpreter, which never compiles them; this check covers the
+other half of a change made on a CPU machine: the GPU code paths still build. Each op's host function is called on
+small CPU tensors at Bamba-9B's widths (H=128, P=64, N=128, G=1, Q=256, C=8448), in bf16 and fp32, with the launch
+parameters it chooses for a CUDA device (its `_block_sizes(..., device)` is handed torch.device("cuda")). Every
+launch is caught instead of run, specialised as the JIT specialises it on the GPU (pointer dtypes, integers equal
+to 1, 16-byte divisibility), and compiled down to a cubin by the ptxas that ships in triton's wheel. One line per
+distinct compilation; the exit status is 1 if any failed.
+
+It leans on two internals of triton 3.6's JIT (`create_function_from_signature`, `JITFunction._pack_args`), the
+same calls `JITFunction.run` makes before it compiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import sys
+import traceback
+from typing import Callable, Iterator, NamedTuple
+
+from triton import knobs
+
+if knobs.runtime.interpret:
+    # The kernels would be defined as interpreted functions, which cannot be compiled: start again without it.
+    os.execve(sys.executable, [sys.executable, "-m", "vendored.ops._compile_check", *sys.argv[1:]],
+              {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.compiler import compile as compile_triton  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)                                 # H100 / H200, warp size 32
+OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
+              for name in ("causal_conv1d", "rms_norm_gated", "selective_state_update", "ssd_scan")]
+
+# Bamba-9B's mixer widths; a few tokens are enough, the compiled code does not depend on how many.
+H, P, N, G, W, Q = 128, 64, 128, 1, 4, 256
+CONV_CHANNELS = H * P + 2 * G * N
+
+
+class Launch(NamedTuple):
+    """One caught kernel launch, and the call of an op that made it."""
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+    case: str
+
+
+class LaunchCatcher:
+    """While active, host functions choose the launch parameters of a CUDA device, and every kernel launch is
+    recorded in `launches` (under the name last given to `label`) instead of being run."""
+
+    def __init__(self) -> None:
+        self.launches: list[Launch] = []
+        self.case = ""
+
+    def label(self, case: str) -> None:
+        self.case = case
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        saved = []
+        for module in OP_MODULES:
+            choose = module._block_sizes
+            saved.append((module, "_block_sizes", choose))
+            module._block_sizes = lambda *args, _choose=choose: _choose(*args[:-1], torch.device("cuda"))
+            for kernel in vars(module).values():
+                if isinstance(kernel, JITFunction):
+                    saved.append((kernel, "run", None))      # an instance attribute shadowing JITFunction.run
+                    kernel.run = (lambda *args, grid, warmup, _kernel=kernel, **kwargs:
+                                  self.launches.append(Launch(_kernel, args, kwargs, self.case)))
+        try:
+            yield
+        finally:
+            for owner, name, value in saved:
+                if value is None:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, value)
+
+
+def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
+    """Call every op in `dtype`, with all optional inputs and with none of them; `label` names each call first."""
+    from vendored.ops import (causal_conv1d, causal_conv1d_update, rms_norm_gated, selective_state_update,
+                              ssd_scan)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape).to(dt)
+
+    def index(*values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    for group_size in (H * P, H * P // 8):
+        for norm_before_gate in (False, True):
+            label(f"rms_norm_gated, group {group_size}, norm_before_gate={norm_before_gate}")
+            rms_norm_gated(randn(5, H * P), randn(5, H * P), randn(H * P), eps=1e-5, group_size=group_size,
+                           norm_before_gate=norm_before_gate)
+    label("rms_norm_gated, no gate")
+    rms_norm_gated(randn(5, H * P), None, randn(H * P), eps=1e-5, group_size=H * P)
+
+    C = CONV_CHANNELS
+    for bias, activation, what in ((randn(C), "silu", "bias, silu"), (None, None, "no bias, no activation")):
+        label(f"causal_conv1d, {what}")
+        causal_conv1d(randn(7, C), randn(C, W), bias, randn(4, C, W - 1), index(0, 2, 7), index(1, 3),
+                      torch.tensor([True, False]), activation=activation)
+        label(f"causal_conv1d_update, {what}")
+        causal_conv1d_update(randn(3, C), randn(4, C, W - 1), randn(C, W), bias, index(1, -1, 2),
+                             activation=activation)
+
+    for state_dtype in (torch.float32, torch.bfloat16):
+        pool = f"{str(state_dtype).removeprefix('torch.')} pool"
+        # x, B, C as column views of one projection row, as the engine passes them
+        xs, Bs, Cs = randn(3, H * P + 2 * G * N).split([H * P, G * N, G * N], dim=-1)
+        label(f"selective_state_update, {pool}, all inputs, dt_limit")
+        selective_state_update(randn(4, H, P, N, dt=state_dtype), xs.reshape(3, H, P), randn(3, H), -torch.rand(H),
+                               Bs.reshape(3, G, N), Cs.reshape(3, G, N), D=torch.randn(H), dt_bias=torch.randn(H),
+                               z=randn(3, H, P), state_indices=index(2, -1, 0), dt_limit=(0.0, 10.0))
+        label(f"selective_state_update, {pool}, one row, no optional inputs")
+        selective_state_update(randn(4, H, P, N, dt=state_dtype), randn(1, H, P), randn(1, H), -torch.rand(H),
+                               randn(1, G, N), randn(1, G, N), D=None, dt_bias=None, z=None,
+                               state_indices=index(3), dt_softplus=False)
+        for full in (True, False):
+            label(f"ssd_scan, {pool}, " + ("all inputs, dt_limit" if full else "no optional inputs"))
+            ssd_scan(randn(9, H, P), randn(9, H), -torch.rand(H), randn(9, G, N), randn(9, G, N), chunk_size=Q,
+                     D=torch.randn(H) if full else None, dt_bias=torch.randn(H) if full else None,
+                     z=randn(9, H, P) if full else None, cu_seqlens=index(0, 4, 9),
+                     ssm_states=randn(5, H, P, N, dt=state_dtype), state_indices=index(1, 3),
+                     has_initial_state=torch.tensor([True, False]), dt_softplus=full,
+                     dt_limit=(0.0, 10.0) if full else (0.0, math.inf))
+
+
+def compile_for_gpu(launch: Launch):
+    """What JITFunction.run does before it compiles, for TARGET rather than the current device."""
+    kwargs = dict(launch.kwargs, debug=launch.kwargs.get("debug", launch.kernel.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    key = (launch.kernel.fn.__qualname__, str(specialization), str(options))
+    options, signature, constexprs, attrs = launch.kernel._pack_args(backend, kwargs, bound_args, specialization,
+                                                                     options)
+    return key, lambda: compile_triton(ASTSource(launch.kernel, signature, constexprs, attrs), target=TARGET,
+                                       options=options.__dict__)
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    catcher = LaunchCatcher()
+    with catcher.active():
+        for dtype in (torch.bfloat16, torch.float32):
+            short = str(dtype).removeprefix("torch.")
+            call_every_op(dtype, lambda case, short=short: catcher.label(f"{short}: {case}"))
+    done, failed = set(), 0
+    for launch in catcher.launches:
+        key, build = compile_for_gpu(launch)
+        if key in done:
+            continue
+        done.add(key)
+        name = launch.kernel.fn.__name__
+        try:
+            compiled = build()
+        except Exception:                                           # report every failure, not just the first
+            failed += 1
+            print(f"FAIL {name}  [{launch.case}]\n{traceback.format_exc()}", flush=True)
+            continue
+        meta = compiled.metadata
+        print(f"OK   {name}  [{launch.case}]  {meta.num_warps} warps, {meta.shared} B shared", flush=True)
+    print(f"{len(done) - failed} of {len(done)} distinct kernel specialisations compiled for sm_{TARGET.arch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
