@@ -43,8 +43,7 @@ test-gpu:
 	$(GPU_PY) -m pytest -p no:cacheprovider -m "gpu and not slow" tests
 
 # The main job: the vendored engine against the fp64 oracle on the bundled tiny model (table, JSON and PNG in out/).
-# ssm_state_dtype-bfloat16 is left out while it fails on this model (README, Findings; pinned by a strict xfail).
-COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype-float32,tp,pp
+COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype,tp,pp
 compare: $(STAMP)
 	$(VENV)/bin/bamba-harness compare --engine vendored --checkpoint fixtures/tiny-bamba --out out/compare \
 		--scenarios $(COMPARE_SCENARIOS)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._rounding import interpreted, round_to
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -46,7 +48,7 @@ def _selective_state_update_fwd_kernel(
     stride_y_b, stride_y_h, stride_y_p,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_DT_LIMIT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROUND_BY_BITS: tl.constexpr,
 ):
     """BLOCK_B rows × BLOCK_H heads (S pairs, row-major), BLOCK_P of each head's P channels, all N state columns
     (BLOCK_N >= N)."""
@@ -85,7 +87,7 @@ def _selective_state_update_fwd_kernel(
     live_pn = live_p[:, :, None] & live_n[:, None, :]                  # (S, BLOCK_P, BLOCK_N)
     state = tl.load(state_ptrs, mask=live_pn, other=0.0).to(tl.float32)
     state = decay[:, None, None] * state + (dt[:, None] * x)[:, :, None] * B[:, None, :]
-    tl.store(state_ptrs, state.to(ssm_states_ptr.dtype.element_ty), mask=live_pn)
+    tl.store(state_ptrs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=live_pn)
 
     y = tl.sum(state * C[:, None, :], axis=2)                          # (S, BLOCK_P)
     if HAS_D:
@@ -204,5 +206,6 @@ def selective_state_update(
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
         HAS_DT_LIMIT=dt_min > 0.0 or dt_max < math.inf,
         BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state),
+        ROUND_BY_BITS=interpreted(),
     )
     return y

@@ -44,6 +44,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._rounding import interpreted, round_to
+
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -167,7 +169,7 @@ def _ssd_state_passing_fwd_kernel(
     stride_cs_c, stride_cs_h,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_pool_s, stride_pool_h, stride_pool_p, stride_pool_n,
-    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BY_BITS: tl.constexpr,
 ):
     """Stage 3: for one sequence and BLOCK_H heads, a (BLOCK_P, BLOCK_N) tile of the state walked across its chunks.
 
@@ -198,7 +200,7 @@ def _ssd_state_passing_fwd_kernel(
         length = tl.load(chunk_len_ptr + c)
         dA_last = tl.load(dA_cumsum_ptr + c * stride_cs_c + offs_h * stride_cs_h + length - 1, mask=mask_h, other=0.0)
         state = tl.exp(dA_last.to(tl.float32))[:, None, None] * state + own
-    tl.store(ssm_states_ptr + pool_offs, state.to(ssm_states_ptr.dtype.element_ty), mask=mask)
+    tl.store(ssm_states_ptr + pool_offs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=mask)
 
 
 @triton.jit
@@ -434,7 +436,7 @@ def ssd_scan(
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
-        BLOCK_H=blocks.h, BLOCK_P=blocks.p, BLOCK_N=blocks.n,
+        BLOCK_H=blocks.h, BLOCK_P=blocks.p, BLOCK_N=blocks.n, ROUND_BY_BITS=interpreted(),
     )
 
     m_blocks = blocks.q // blocks.m
