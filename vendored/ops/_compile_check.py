@@ -73,7 +73,8 @@ class LaunchCatcher:
             saved.append((module, "_block_sizes", choose))
             module._block_sizes = lambda *args, _choose=choose: _choose(*args[:-1], torch.device("cuda"))
             for kernel in vars(module).values():
-                if isinstance(kernel, JITFunction):
+                # a jit helper imported by several modules (round_to) is patched once
+                if isinstance(kernel, JITFunction) and all(kernel is not owner for owner, _, _ in saved):
                     saved.append((kernel, "run", None))      # an instance attribute shadowing JITFunction.run
                     kernel.run = (lambda *args, grid, warmup, _kernel=kernel, **kwargs:
                                   self.launches.append(Launch(_kernel, args, kwargs, self.case)))
