@@ -267,9 +267,15 @@ class Engine(abc.ABC):
         requests = list(requests)
         check_requests(requests, self.cfg, allow_long_context=self.options.allow_long_context)
         reasons = self.unsupported(self.options, dtype=self.dtype, device=self.device, requests=requests)
+        reasons += self.cannot_run(requests)
         if reasons:
             raise UnsupportedOptions(self.name, reasons)
         return self._run(requests) if requests else []
+
+    def cannot_run(self, requests: Sequence[Request]) -> list[str]:
+        """Why this loaded engine cannot run these requests (say, a prompt too long for the memory its algorithm
+        needs), beyond the options; [] if it can."""
+        return []
 
     def close(self) -> None:
         """Free the model (subclasses drop their references and call super().close())."""

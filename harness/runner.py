@@ -123,9 +123,12 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
     dtype = parse_dtype(dtype)
     engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
                                              source=source, engine_args=engine_args, top_k=top_k)
-    baseline = oracle.results(requests)
-    budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
     with engine_cls(oracle.checkpoint, dtype=dtype, device=device, options=options) as candidate:
+        reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
+        if reasons:
+            raise ScenarioSkipped(reasons)
+        baseline = oracle.results(requests)
+        budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                               candidate=candidate.run(requests), budget=budget, rerun=candidate.run)
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device),

@@ -50,6 +50,23 @@ class TransformersEngine(Engine):
 
         self.model = BambaForCausalLM.from_pretrained(self.checkpoint, dtype=self.dtype).to(self.device).eval()
 
+    # The largest single tensor the adapter lets transformers' PyTorch SSD path allocate (see cannot_run).
+    MAX_TENSOR_BYTES = 16 * 2**30
+
+    def cannot_run(self, requests) -> list[str]:
+        # torch_forward multiplies the decay between every pair of chunks into every chunk's state, one tensor of
+        # (L/Q + 1)² · H · P · N elements for an L-token prompt (O(L²) memory; the mamba_ssm kernels it would use on
+        # a GPU with them installed are not here). Past MAX_TENSOR_BYTES the request is declared unsupported rather
+        # than left to run out of memory.
+        cfg = self.cfg
+        longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=0)
+        chunks = -(-longest // cfg.mamba_chunk_size) + 1
+        size = chunks ** 2 * cfg.mamba_inner * cfg.mamba_d_state * self.dtype.itemsize
+        if size > self.MAX_TENSOR_BYTES:
+            return [f"a {longest}-token sequence: transformers' PyTorch SSD path would allocate a {size / 2**30:.0f} GiB "
+                    f"tensor ((L/Q + 1)²·H·P·N elements; limit {self.MAX_TENSOR_BYTES / 2**30:.0f} GiB)"]
+        return []
+
     def close(self) -> None:
         self.model = None
         super().close()

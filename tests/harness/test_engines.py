@@ -4,6 +4,8 @@ on a random G = 1 checkpoint: fp32 on the CPU, bf16 on CUDA. Test ids are "<engi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -66,3 +68,17 @@ def test_transformers_matches_a_full_width_norm_oracle_with_two_groups(g2_checkp
     """The norm is the only disagreement: against an oracle with the full-width norm, transformers passes."""
     report = _batching_together(g2_checkpoint, "full")
     assert report.passed, report.message()
+
+
+class _UntouchableOracle(Oracle):
+    def results(self, requests):
+        raise AssertionError("the oracle ran for a scenario the candidate declared it cannot run")
+
+
+def test_transformers_declines_prompts_its_ssd_path_cannot_fit(g1_checkpoint, g1_prompts):
+    # The PyTorch SSD path of transformers allocates (L/Q + 1)²·H·P·N elements at once: at 64K tokens of the test
+    # model that is hundreds of GiB. The scenario is skipped with the size named, before the oracle runs at all.
+    scenario = next(s for s in build_scenarios(G1_MODEL) if s.id == "long-64k")
+    scenario = dataclasses.replace(scenario, needs_cuda=False)
+    with pytest.raises(ScenarioSkipped, match=r"65\d\d\d-token sequence: .* would allocate a \d+ GiB tensor"):
+        check_scenario("transformers", scenario, oracle=_UntouchableOracle(g1_checkpoint), source=g1_prompts)
