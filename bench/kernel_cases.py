@@ -170,13 +170,15 @@ def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype
         pool = torch.zeros(n_seqs + 2, s.H, s.P, s.N, dtype=state_dtype, device=device)      # (S, H, P, N)
         slots64 = slots.long()
 
+        no_initial = torch.zeros(n_seqs, dtype=torch.bool, device=device)                        # (B,)
+
         def ours():
             states, out = pool.clone(), {}
 
             def run():
                 out["y"] = ssd_scan(x, dt, p["A"], B, C, chunk_size=s.Q, D=p["D"], dt_bias=p["dt_bias"], z=None,
                                     cu_seqlens=cu, ssm_states=states, state_indices=slots,
-                                    has_initial_state=torch.zeros(n_seqs, dtype=torch.bool, device=device))
+                                    has_initial_state=no_initial)
             return run, lambda: (out["y"], states[slots64])
 
         def vllm():
