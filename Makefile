@@ -9,7 +9,7 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare clean
+.PHONY: help venv test test-all test-slow test-gpu compare bench-kernels clean
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-slow the slow CPU tests (fuzz, preemption, the vendored engine's generic scenario matrix)"
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
+	@echo "make bench-kernels  our kernels vs vLLM's and mamba_ssm's on a CUDA machine (table, JSON, PNG in out/bench-kernels)"
 	@echo "make clean     remove .venv and caches"
 
 $(STAMP): pyproject.toml
@@ -41,6 +42,12 @@ test-all: $(STAMP)
 # On the GPU image: the gpu-marked tests plus everything else that runs on CUDA when it is present.
 test-gpu:
 	$(GPU_PY) -m pytest -p no:cacheprovider -m "gpu and not slow" tests
+
+# GPU, python3 of the image: our ops against the peers in $(PEERS) (fetch: README, "Kernel benchmarks"); < 8 min.
+PEERS ?= .peers
+BENCH_OUT ?= out/bench-kernels
+bench-kernels:
+	$(GPU_PY) -m bench.kernels --peers $(PEERS) --out $(BENCH_OUT)
 
 # The main job: the vendored engine against the fp64 oracle on the bundled tiny model (table, JSON and PNG in out/).
 COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype,tp,pp

@@ -17,6 +17,30 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _load_gated(x_rows, gate_rows, offs, mask, stride_x_d, stride_gate_d,
+                HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr):
+    """One piece of x in fp32, already times silu(gate) when the gate comes before the norm, and silu(gate)."""
+    h = tl.load(x_rows + offs[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+    silu_gate = h                                                      # unused unless HAS_GATE
+    if HAS_GATE:
+        gate = tl.load(gate_rows + offs[None, :] * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
+        silu_gate = gate / (1.0 + tl.exp(-gate))
+        if not NORM_BEFORE_GATE:
+            h *= silu_gate
+    return h, silu_gate
+
+
+@triton.jit
+def _store_normed(out_rows, weight_ptr, h, silu_gate, inv_rms, offs, mask, mask_d, stride_out_d, stride_weight_d,
+                  HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr):
+    weight = tl.load(weight_ptr + offs * stride_weight_d, mask=mask_d, other=0.0).to(tl.float32)
+    h = h * inv_rms[:, None] * weight[None, :]
+    if HAS_GATE and NORM_BEFORE_GATE:
+        h *= silu_gate
+    tl.store(out_rows + offs[None, :] * stride_out_d, h.to(out_rows.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_gated_fwd_kernel(
     x_ptr, gate_ptr, weight_ptr, out_ptr,
     n_rows, group_size, eps,
@@ -24,9 +48,11 @@ def _rms_norm_gated_fwd_kernel(
     stride_gate_t, stride_gate_d,
     stride_weight_d,
     stride_out_t, stride_out_d,
-    HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """BLOCK_ROWS rows, group g: two passes over the group's channels in BLOCK_D pieces (sum of squares, then write)."""
+    """BLOCK_ROWS rows, group g. ONE_PASS (the group fits in BLOCK_D): x and the gate are read once and kept;
+    otherwise two passes over the group's channels in BLOCK_D pieces (sum of squares, then write)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # (BLOCK_ROWS,)
     mask_t = (rows < n_rows)[:, None]                                  # (BLOCK_ROWS, 1)
     rows = rows.to(tl.int64)[:, None]
@@ -35,40 +61,42 @@ def _rms_norm_gated_fwd_kernel(
     gate_rows = gate_ptr + rows * stride_gate_t
     out_rows = out_ptr + rows * stride_out_t
 
-    sum_sq = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
-    for start in range(0, group_size, BLOCK_D):
-        offs = group_start + start + tl.arange(0, BLOCK_D)             # (BLOCK_D,) channel index in the row
-        mask = mask_t & (offs < group_start + group_size)[None, :]     # (BLOCK_ROWS, BLOCK_D)
-        h = tl.load(x_rows + offs[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
-        if HAS_GATE and not NORM_BEFORE_GATE:
-            gate = tl.load(gate_rows + offs[None, :] * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
-            h *= gate / (1.0 + tl.exp(-gate))
-        sum_sq += h * h
-    inv_rms = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / group_size + eps)   # (BLOCK_ROWS,)
-
-    for start in range(0, group_size, BLOCK_D):
-        offs = group_start + start + tl.arange(0, BLOCK_D)
+    if ONE_PASS:
+        offs = group_start + tl.arange(0, BLOCK_D)                     # (BLOCK_D,) channel index in the row
         mask_d = offs < group_start + group_size
-        mask = mask_t & mask_d[None, :]
-        h = tl.load(x_rows + offs[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            gate = tl.load(gate_rows + offs[None, :] * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
-            silu_gate = gate / (1.0 + tl.exp(-gate))
-            if not NORM_BEFORE_GATE:
-                h *= silu_gate
-        weight = tl.load(weight_ptr + offs * stride_weight_d, mask=mask_d, other=0.0).to(tl.float32)
-        h = h * inv_rms[:, None] * weight[None, :]
-        if HAS_GATE and NORM_BEFORE_GATE:
-            h *= silu_gate
-        tl.store(out_rows + offs[None, :] * stride_out_d, h.to(out_ptr.dtype.element_ty), mask=mask)
+        mask = mask_t & mask_d[None, :]                                # (BLOCK_ROWS, BLOCK_D)
+        h, silu_gate = _load_gated(x_rows, gate_rows, offs, mask, stride_x_d, stride_gate_d, HAS_GATE,
+                                   NORM_BEFORE_GATE)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / group_size + eps)   # (BLOCK_ROWS,)
+        _store_normed(out_rows, weight_ptr, h, silu_gate, inv_rms, offs, mask, mask_d, stride_out_d,
+                      stride_weight_d, HAS_GATE, NORM_BEFORE_GATE)
+    else:
+        sum_sq = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+        for start in range(0, group_size, BLOCK_D):
+            offs = group_start + start + tl.arange(0, BLOCK_D)
+            mask = mask_t & (offs < group_start + group_size)[None, :]
+            h, _ = _load_gated(x_rows, gate_rows, offs, mask, stride_x_d, stride_gate_d, HAS_GATE and not
+                               NORM_BEFORE_GATE, NORM_BEFORE_GATE)
+            sum_sq += h * h
+        inv_rms = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / group_size + eps)
+
+        for start in range(0, group_size, BLOCK_D):
+            offs = group_start + start + tl.arange(0, BLOCK_D)
+            mask_d = offs < group_start + group_size
+            mask = mask_t & mask_d[None, :]
+            h, silu_gate = _load_gated(x_rows, gate_rows, offs, mask, stride_x_d, stride_gate_d, HAS_GATE,
+                                       NORM_BEFORE_GATE)
+            _store_normed(out_rows, weight_ptr, h, silu_gate, inv_rms, offs, mask, mask_d, stride_out_d,
+                          stride_weight_d, HAS_GATE, NORM_BEFORE_GATE)
 
 
 def _block_sizes(group_size: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_ROWS, BLOCK_D). GPU: one row per program and the whole group in one piece up to 4096 channels.
-    Interpreter, where every program costs the same fixed time: 64 rows per program, and 32-channel pieces so that
-    groups wider than 32 are read in several pieces, as the GPU reads groups wider than 4096."""
+    """(BLOCK_ROWS, BLOCK_D). GPU: one row per program and the whole group in one piece up to 8192 channels (Bamba's
+    H·P/G), read once and kept in registers. Interpreter, where every program costs the same fixed time: 64 rows per
+    program, and 32-channel pieces so that groups wider than 32 are read in two passes, as the GPU reads groups
+    wider than 8192, and groups up to 32 in one, as the GPU reads Bamba's."""
     if device.type == "cuda":
-        return 1, min(triton.next_power_of_2(group_size), 4096)
+        return 1, min(triton.next_power_of_2(group_size), 8192)
     return 64, min(triton.next_power_of_2(group_size), 32)
 
 
@@ -116,7 +144,7 @@ def rms_norm_gated(
         gate_rows.stride(0), gate_rows.stride(1),
         weight.stride(0),
         out.stride(0), out.stride(1),
-        HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 2048 else 4,
+        HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, ONE_PASS=block_d >= group_size,
+        BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4,
     )
     return out.reshape(x.shape)

@@ -22,9 +22,14 @@ without reading cu_seqlens back, so the host never waits for the device. On the 
 BLOCK_H = 1; the Triton interpreter (CPU) takes several chunks and heads per program, as a leading batch dimension
 of every tile, because there each program costs a fixed time whatever its size.
 
-Every product and sum runs in fp32 whatever the input dtype (x, B, C, z: fp32, bf16 or fp16; dt any float):
-inputs are loaded and cast to fp32, and tl.dot runs with input_precision="ieee" (no TF32), so the only rounding to a
-16-bit type is the final store of y and, for a bf16 state pool, of the final states. One sum runs in fp64: the
+Every product and sum is as accurate as fp32 whatever the input dtype (x, B, C, z: fp32, bf16 or fp16; dt any
+float), so the only rounding to a 16-bit type is the final store of y and, for a bf16 state pool, of the final states.
+fp32 operands take tl.dot with input_precision="ieee" (fp32 FMAs, no TF32). On the GPU, 16-bit inputs take the
+tensor cores without losing that accuracy: C·Bᵀ of two 16-bit inputs directly (a product of two 16-bit floats is
+exact in fp32, and the sums run in fp32); a product of an fp32 matrix (x scaled by decays and Δ, C·Bᵀ∘L·Δ, the chunk
+states) with a bf16 input as three bf16 products, the fp32 matrix split into bf16 pieces hi + mid + lo that carry
+all 24 of its significant bits (_bf16x3): three times the tensor-core work, a fraction of the time of fp32 FMAs.
+(fp16 inputs keep the FMAs there: fp16's exponent range cannot hold the small pieces.) One sum runs in fp64: the
 cumulative Δ·A. Over a 256-token chunk it reaches hundreds, and in fp32 each difference cs_t - cs_s (the exponent of
 every decay) would carry an absolute error of ~|cs|·2^-24, some 10x the error of the sequential product of decays;
 in fp64 each difference is exact to fp32 before the exp.
@@ -62,6 +67,34 @@ def _state_tile(pid, d_state, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     n_blocks_n = tl.cdiv(d_state, BLOCK_N)
     return ((pid // n_blocks_n) * BLOCK_P + tl.arange(0, BLOCK_P),
             (pid % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N))
+
+
+@triton.jit
+def _bf16x3(v):
+    """An fp32 tensor as three bf16 tensors whose exact sum is v to within 2^-26·|v| (8 significant bits each)."""
+    hi = v.to(tl.bfloat16)
+    rest = v - hi.to(tl.float32)                                    # exact: hi is v's nearest bf16
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_f32_bf16(a, b, B_IS_BF16: tl.constexpr):
+    """a @ b for fp32 a, with fp32 accuracy. B_IS_BF16: b is bf16, a runs as its three bf16 pieces on the tensor
+    cores (each product of two bf16 is exact in fp32, accumulated in fp32), small pieces first; else fp32 FMAs."""
+    if B_IS_BF16:
+        a_hi, a_mid, a_lo = _bf16x3(a)
+        return tl.dot(a_hi, b, tl.dot(a_mid, b, tl.dot(a_lo, b)))
+    return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _dot_bf16_f32(a, b, A_IS_BF16: tl.constexpr):
+    """a @ b for fp32 b, with fp32 accuracy: _dot_f32_bf16 with the operands' roles swapped."""
+    if A_IS_BF16:
+        b_hi, b_mid, b_lo = _bf16x3(b)
+        return tl.dot(a, b_hi, tl.dot(a, b_mid, tl.dot(a, b_lo)))
+    return tl.dot(a.to(tl.float32), b, input_precision="ieee")
 
 
 @triton.jit
@@ -126,8 +159,8 @@ def _ssd_chunk_state_fwd_kernel(
     stride_B_t, stride_B_g, stride_B_n,
     stride_cs_c, stride_cs_h,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    B_IS_BF16: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Stage 2: each chunk's own final state from a zero start, a (BLOCK_P, BLOCK_N) tile of it, for BLOCK_C chunks
     × BLOCK_H heads: one batch entry S of the (batched) products per (chunk, head) pair."""
@@ -150,11 +183,11 @@ def _ssd_chunk_state_fwd_kernel(
                     mask=mask_p[None, :, None] & mask_k[:, None, :], other=0.0).to(tl.float32)   # (S, BLOCK_P, BLOCK_K)
         b = tl.load(B_ptr + tok[:, :, None] * stride_B_t + group[:, None, None] * stride_B_g
                     + offs_n[None, None, :] * stride_B_n,
-                    mask=mask_k[:, :, None] & mask_n[None, None, :], other=0.0).to(tl.float32)   # (S, BLOCK_K, BLOCK_N)
+                    mask=mask_k[:, :, None] & mask_n[None, None, :], other=0.0)                  # (S, BLOCK_K, BLOCK_N)
         dA = tl.load(dA_cumsum_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)   # (S, BLOCK_K)
         delta = tl.load(delta_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)
         scale = tl.where(mask_k, tl.exp((dA_last[:, None] - dA).to(tl.float32)) * delta, 0.0)   # decay to the end, ·Δ
-        acc += tl.dot(x * scale[:, None, :], b, input_precision="ieee")
+        acc += _dot_f32_bf16(x * scale[:, None, :], b, B_IS_BF16)
 
     offs = (chunk.to(tl.int64)[:, None, None] * stride_st_c + head[:, None, None] * stride_st_h
             + offs_p[None, :, None] * stride_st_p + offs_n[None, None, :] * stride_st_n)
@@ -214,7 +247,8 @@ def _ssd_chunk_scan_fwd_kernel(
     stride_cs_c, stride_cs_h,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_y_t, stride_y_h, stride_y_p,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, C_IS_BF16: tl.constexpr, X_IS_BF16: tl.constexpr,
+    CB_16BIT: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Stage 4: a (BLOCK_M, BLOCK_P) tile of y for rows of one chunk and one head, for BLOCK_C chunks × BLOCK_H heads:
@@ -240,12 +274,12 @@ def _ssd_chunk_scan_fwd_kernel(
         mask_n = offs_n < d_state
         c = tl.load(C_ptr + tok_m[:, :, None] * stride_C_t + group[:, None, None] * stride_C_g
                     + offs_n[None, None, :] * stride_C_n,
-                    mask=mask_m[:, :, None] & mask_n[None, None, :], other=0.0).to(tl.float32)   # (S, BLOCK_M, BLOCK_N)
+                    mask=mask_m[:, :, None] & mask_n[None, None, :], other=0.0)                  # (S, BLOCK_M, BLOCK_N)
         s = tl.load(states_ptr + st_base[:, None, None] + offs_n[None, :, None] * stride_st_n
                     + offs_p[None, None, :] * stride_st_p,
                     mask=mask_s[:, None, None] & mask_n[None, :, None] & mask_p[None, None, :],
                     other=0.0)                                                            # (S, BLOCK_N, BLOCK_P)
-        acc += tl.dot(c, s, input_precision="ieee")
+        acc += _dot_bf16_f32(c, s, C_IS_BF16)
     acc *= tl.exp(dA_m.to(tl.float32))[:, :, None]
 
     # inside the chunk: (C Bᵀ ∘ L)·(Δx) with L[m, k] = exp(cs_m - cs_k) for k ≤ m; columns up to the tile's last row
@@ -259,19 +293,22 @@ def _ssd_chunk_scan_fwd_kernel(
             mask_n = offs_n < d_state
             c = tl.load(C_ptr + tok_m[:, :, None] * stride_C_t + group[:, None, None] * stride_C_g
                         + offs_n[None, None, :] * stride_C_n,
-                        mask=mask_m[:, :, None] & mask_n[None, None, :], other=0.0).to(tl.float32)  # (S, M, N)
+                        mask=mask_m[:, :, None] & mask_n[None, None, :], other=0.0)                 # (S, M, N)
             b = tl.load(B_ptr + tok_k[:, None, :] * stride_B_t + group[:, None, None] * stride_B_g
                         + offs_n[None, :, None] * stride_B_n,
-                        mask=mask_n[None, :, None] & mask_k[:, None, :], other=0.0).to(tl.float32)  # (S, N, K)
-            cb += tl.dot(c, b, input_precision="ieee")
+                        mask=mask_n[None, :, None] & mask_k[:, None, :], other=0.0)                 # (S, N, K)
+            if CB_16BIT:    # products of two 16-bit floats are exact in fp32: the tensor cores lose nothing
+                cb = tl.dot(c, b, cb)
+            else:
+                cb += tl.dot(c.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         dA_k = tl.load(dA_cumsum_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)   # (S, BLOCK_K)
         delta_k = tl.load(delta_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)
         causal = (offs_m[:, None] >= offs_k[None, :])[None, :, :] & mask_k[:, None, :]   # (S, BLOCK_M, BLOCK_K)
         decay = tl.exp(tl.where(causal, (dA_m[:, :, None] - dA_k[:, None, :]).to(tl.float32), float("-inf")))
         x_k = tl.load(x_ptr + tok_k[:, :, None] * stride_x_t + head[:, None, None] * stride_x_h
                       + offs_p[None, None, :] * stride_x_p,
-                      mask=mask_k[:, :, None] & mask_p[None, None, :], other=0.0).to(tl.float32)   # (S, K, P)
-        acc += tl.dot(cb * decay * delta_k[:, None, :], x_k, input_precision="ieee")
+                      mask=mask_k[:, :, None] & mask_p[None, None, :], other=0.0)                  # (S, K, P)
+        acc += _dot_f32_bf16(cb * decay * delta_k[:, None, :], x_k, X_IS_BF16)
 
     mask = mask_m[:, :, None] & mask_p[None, None, :]                                     # (S, BLOCK_M, BLOCK_P)
     if HAS_D:
@@ -308,7 +345,8 @@ def _logical_chunks(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: int):
 
 class _Blocks(NamedTuple):
     """Tile sizes. q: a chunk padded to a power of two; m: the rows (and columns) of a stage-4 tile; p, n: a state
-    tile; h_cumsum: heads per stage-1 program; c, h: chunks and heads per program of every stage that has them."""
+    tile; h_cumsum: heads per stage-1 program; c, h: chunks and heads per program of every stage that has them;
+    tensor_cores: whether 16-bit inputs take the bf16x3 tensor-core products (GPU) or stay in fp32 FMAs."""
     q: int
     m: int
     p: int
@@ -316,6 +354,7 @@ class _Blocks(NamedTuple):
     h_cumsum: int
     c: int
     h: int
+    tensor_cores: bool
 
 
 def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, device: torch.device) -> _Blocks:
@@ -332,6 +371,7 @@ def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, dev
         h_cumsum=min(16, triton.next_power_of_2(n_heads)),
         c=1 if on_gpu else 256 // block_m,
         h=1 if on_gpu else min(4, triton.next_power_of_2(n_heads)),
+        tensor_cores=on_gpu,
     )
 
 
@@ -399,6 +439,7 @@ def ssd_scan(
     chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, chunk_size, n_tokens)
     n_chunks = chunk_start.shape[0]                                                       # NC (an upper bound)
     blocks = _block_sizes(chunk_size, n_heads, head_dim, d_state, x.device)
+    on_gpu = blocks.tensor_cores
     tiles_pn = triton.cdiv(head_dim, blocks.p) * triton.cdiv(d_state, blocks.n)
     chunk_blocks = triton.cdiv(n_chunks, blocks.c)
     head_blocks = triton.cdiv(n_heads, blocks.h)
@@ -426,6 +467,7 @@ def ssd_scan(
         B.stride(0), B.stride(1), B.stride(2),
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+        B_IS_BF16=B.dtype == torch.bfloat16 and on_gpu,
         BLOCK_C=blocks.c, BLOCK_H=blocks.h, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n,
     )
 
@@ -451,7 +493,10 @@ def ssd_scan(
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         y.stride(0), y.stride(1), y.stride(2),
-        HAS_D=D is not None, HAS_Z=z is not None, M_BLOCKS=m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
+        HAS_D=D is not None, HAS_Z=z is not None, C_IS_BF16=C.dtype == torch.bfloat16 and on_gpu,
+        X_IS_BF16=x.dtype == torch.bfloat16 and on_gpu,
+        CB_16BIT=B.dtype == C.dtype and B.dtype in (torch.bfloat16, torch.float16) and on_gpu,
+        M_BLOCKS=m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
         BLOCK_M=blocks.m, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n,
     )
     return y
