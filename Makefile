@@ -9,7 +9,7 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare clean
+.PHONY: help venv test test-all test-slow test-gpu compare bench-decode clean
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-slow the slow CPU tests (fuzz, preemption, the vendored engine's generic scenario matrix)"
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
+	@echo "make bench-decode  decode tokens/s with and without CUDA graphs (GPU: python3 there; out/bench)"
 	@echo "make clean     remove .venv and caches"
 
 $(STAMP): pyproject.toml
@@ -48,6 +49,11 @@ COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype-float32,
 compare: $(STAMP)
 	$(VENV)/bin/bamba-harness compare --engine vendored --checkpoint fixtures/tiny-bamba --out out/compare \
 		--scenarios $(COMPARE_SCENARIOS)
+
+# Decode tokens/s with and without CUDA graphs, batches 1, 8, 64, tiny model and a random 2-layer Bamba-9B slice.
+# On the GPU image (nothing installed): the python3 there. JSON, markdown and PNG in out/bench.
+bench-decode:
+	$(GPU_PY) -m bench.decode --out out/bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
