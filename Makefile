@@ -9,7 +9,7 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare bench-kernels clean
+.PHONY: help venv test test-all test-slow test-gpu compare bench-kernels bench-decode clean
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
@@ -18,6 +18,7 @@ help:
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
 	@echo "make bench-kernels  our kernels vs vLLM's and mamba_ssm's on a CUDA machine (table, JSON, PNG in out/bench-kernels)"
+	@echo "make bench-decode  decode tokens/s with and without CUDA graphs (GPU: python3 there; out/bench)"
 	@echo "make clean     remove .venv and caches"
 
 $(STAMP): pyproject.toml
@@ -54,6 +55,11 @@ COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype,tp,pp
 compare: $(STAMP)
 	$(VENV)/bin/bamba-harness compare --engine vendored --checkpoint fixtures/tiny-bamba --out out/compare \
 		--scenarios $(COMPARE_SCENARIOS)
+
+# Decode tokens/s with and without CUDA graphs, batches 1, 8, 64, tiny model and a random 2-layer Bamba-9B slice.
+# On the GPU image (nothing installed): the python3 there. JSON, markdown and PNG in out/bench.
+bench-decode:
+	$(GPU_PY) -m bench.decode --out out/bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,12 @@ from reference.config import ModelConfig
 
 from .engine import EngineOptions, Request
 from .schedule import RequestShape, plan_steps
+
+# The long scenarios: a prompt past 100,000 tokens (not a multiple of any chunk or block size), prefilled in pieces of
+# 8192 tokens (the vendored adapter's default budget): the last pieces attend over ~100K keys, Hq·8192·100K scores,
+# past 2^31 elements for Hq >= 3, the int32-offset class of bug in whatever computes them.
+LONG_PROMPT_TOKENS = 100_003
+LONG_STEP_TOKENS = 8192
 
 KINDS = ("batching", "chunked_prefill", "tp", "pp", "cudagraph", "ssm_state_dtype", "long")
 
@@ -124,6 +130,21 @@ def decode_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
     return tuple(RequestShape(max(n, 1), 2 + 2 * i) for i, n in enumerate(lengths))
 
 
+def cudagraph_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
+    """17 requests at once (lengths 1, W-1, Q-1, Q, Q+1, 2Q+1, cycled and lengthened), of which 12 stop after 3 new
+    tokens, 2 after 6 and 3 after 9: decode batches of 17, then 5, then 3 rows, each short of a power of two. Three
+    more (a one-token prompt, Q+1, W-1; 4 new tokens) arrive at step 7: under max_num_seqs = 17 they take state slots
+    freed by finished requests and then decode in batches of 6 and 3 with them."""
+    base = (1, max(W - 1, 1), Q - 1, Q, Q + 1, 2 * Q + 1)
+    first = tuple(RequestShape(max(base[i % len(base)] + i // len(base), 1), n)
+                  for i, n in enumerate((3,) * 12 + (6,) * 2 + (9,) * 3))
+    later = tuple(RequestShape(n, 4, arrival_step=7) for n in (1, Q + 1, max(W - 1, 1)))
+    return first + later
+
+
+CUDAGRAPH_MAX_NUM_SEQS = 17       # the requests of cudagraph_shapes that run at once: later ones reuse their slots
+
+
 def chunked_prefill_budgets(Q: int, W: int) -> list[int]:
     """1 (every token alone), 2, W-1 (pieces inside the conv window, steps mixing many requests), Q-1, Q, Q+1 (piece
     ends next to chunk boundaries), 2Q+1 (a piece spanning two chunk edges), 3Q+2, the first prompt's length (a
@@ -172,6 +193,7 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
     """Every scenario for this model, in KINDS order."""
     Q, W, G = cfg.mamba_chunk_size, cfg.mamba_d_conv, cfg.mamba_n_groups
     batch, chunked, decode = batching_shapes(Q, W), chunked_shapes(Q, W), decode_shapes(Q, W)
+    graphs = cudagraph_shapes(Q, W)
     lengths = ", ".join(str(s.prompt_len) for s in batch)
     out = [
         Scenario("batching-alone", "batching", EngineOptions(max_num_seqs=1), batch,
@@ -194,10 +216,12 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
     out.append(Scenario("pp-size2", "pp", EngineOptions(pipeline_parallel_size=2), batch,
                         "pipeline parallel over 2 ranks", marks=("tp",)))
     out += [
-        Scenario("cudagraph-off", "cudagraph", EngineOptions(cuda_graphs=False), decode,
-                 "eager decode, batch sizes 6..1 (the baseline of cudagraph-on)", marks=("cudagraph",)),
-        Scenario("cudagraph-on", "cudagraph", EngineOptions(cuda_graphs=True), decode,
-                 "graph-captured decode; batch sizes 6, 5, 3 need padding rows", needs_cuda=True,
+        Scenario("cudagraph-off", "cudagraph", EngineOptions(cuda_graphs=False, max_num_seqs=CUDAGRAPH_MAX_NUM_SEQS),
+                 graphs, "eager decode of the cudagraph workload (the baseline of cudagraph-on)",
+                 marks=("cudagraph",)),
+        Scenario("cudagraph-on", "cudagraph", EngineOptions(cuda_graphs=True, max_num_seqs=CUDAGRAPH_MAX_NUM_SEQS),
+                 graphs, "graph-captured decode: batches of 17, 6, 5 and 3 rows padded to 32, 8, 8 and 4; freed "
+                 "slots reused between replays; a one-token prompt arriving mid-run", needs_cuda=True,
                  marks=("cudagraph", "gpu")),
     ]
     for state_dtype in ("float32", "bfloat16"):
@@ -209,11 +233,16 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
                         (RequestShape(past_max, 4),),
                         f"a {past_max}-token prompt, past max_position_embeddings (explicit opt-in)",
                         slow=past_max > 4096))
-    long_len = 65536 + Q + 1
-    out.append(Scenario("long-64k", "long", EngineOptions(allow_long_context=long_len > cfg.max_position_embeddings),
-                        (RequestShape(long_len, 2),),
-                        f"a {long_len}-token prompt (int32 offset overflow class)", needs_cuda=True,
-                        marks=("gpu",), slow=True))
+    long_len = LONG_PROMPT_TOKENS
+    long_options = EngineOptions(allow_long_context=long_len > cfg.max_position_embeddings, max_num_seqs=1,
+                                 max_num_batched_tokens=LONG_STEP_TOKENS)
+    out.append(Scenario("long-100k", "long", long_options, (RequestShape(long_len, 4),),
+                        f"a {long_len}-token prompt in chunks of {LONG_STEP_TOKENS} tokens, then 4 decodes at that "
+                        "context (int32 offset overflow class)", needs_cuda=True, marks=("gpu",), slow=True))
+    out.append(Scenario("long-100k-cudagraph", "long", replace(long_options, cuda_graphs=True),
+                        (RequestShape(long_len, 4),),
+                        f"long-100k with its decodes replayed as CUDA graphs at a {long_len}-token context",
+                        needs_cuda=True, marks=("gpu", "cudagraph"), slow=True))
     return out
 
 

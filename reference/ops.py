@@ -122,6 +122,9 @@ def group_of_head(n_heads: int, n_groups: int, device=None) -> torch.Tensor:
     return torch.arange(n_heads, device=device) // (n_heads // n_groups)   # (H,)
 
 
+SCAN_BLOCK = 64                 # tokens whose state-independent terms ssd_scan_ref forms at once
+
+
 def ssd_scan_ref(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -166,10 +169,18 @@ def ssd_scan_ref(
             state = ssm_states[slot].to(dtype)                         # (H, P, N)
         else:
             state = torch.zeros(ssm_states.shape[1:], dtype=dtype, device=x.device)
-        for t in range(start, end):
-            decay = torch.exp(delta[t] * A)                            # (H,)
-            state = decay[:, None, None] * state + torch.einsum("hp,hn->hpn", delta[t, :, None] * x[t], B_h[t])
-            y[t] = torch.einsum("hpn,hn->hp", state, C_h[t])
+        # The recurrence runs one token at a time; what does not depend on the state (the decay and the input
+        # term) is formed SCAN_BLOCK tokens at once, so that a long sequence costs two tensor ops per token and
+        # memory stays O(SCAN_BLOCK·H·P·N) however long it is.
+        for lo in range(start, end, SCAN_BLOCK):
+            hi = min(lo + SCAN_BLOCK, end)
+            decay = torch.exp(delta[lo:hi] * A)                                               # (L, H)
+            inject = torch.einsum("lhp,lhn->lhpn", delta[lo:hi, :, None] * x[lo:hi], B_h[lo:hi])   # (L, H, P, N)
+            states = []
+            for t in range(hi - lo):
+                state = decay[t, :, None, None] * state + inject[t]                          # (H, P, N)
+                states.append(state)
+            y[lo:hi] = torch.einsum("lhpn,lhn->lhp", torch.stack(states), C_h[lo:hi])        # (L, H, P)
         ssm_states[slot] = state.to(ssm_states.dtype)
     if D is not None:
         y = y + D.to(dtype)[:, None] * x
@@ -280,22 +291,32 @@ def rotary_ref(x: torch.Tensor, positions: torch.Tensor, *, rotary_dim: int, the
     return torch.cat([rot * cos + rotated * sin, passthrough], dim=-1)
 
 
+ATTENTION_SCORES_LIMIT = 1 << 24   # scores gqa_attention_ref holds at once: queries go in blocks past this
+
+
 def gqa_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
     """Causal grouped-query attention of new queries over all keys of one sequence.
 
     q (Tq, Hq, Dh) are the last Tq of the Tk positions whose keys/values are k, v (Tk, Hkv, Dh); query head h reads
-    kv head h // (Hq/Hkv). Returns (Tq, Hq, Dh).
+    kv head h // (Hq/Hkv). Queries are taken in blocks of at most ATTENTION_SCORES_LIMIT / (Hq·Tk) (at least one),
+    so that memory stays bounded for contexts of 100,000 tokens and more; rows are independent, so blocks change
+    nothing. Returns (Tq, Hq, Dh).
     """
-    n_q, n_kv = q.shape[1], k.shape[1]
-    kv_of_q = torch.arange(n_q, device=q.device) // (n_q // n_kv)            # (Hq,)
-    k, v = k[:, kv_of_q], v[:, kv_of_q]                                       # (Tk, Hq, Dh)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale                       # (Hq, Tq, Tk)
-    t_q, t_k = q.shape[0], k.shape[0]
-    query_pos = torch.arange(t_k - t_q, t_k, device=q.device)
-    allowed = torch.arange(t_k, device=q.device)[None, :] <= query_pos[:, None]   # (Tq, Tk)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    t_q, n_q, head_dim = q.shape
+    t_k, n_kv = k.shape[0], k.shape[1]
+    grouped = q.reshape(t_q, n_kv, n_q // n_kv, head_dim)                        # (Tq, Hkv, Hq/Hkv, Dh)
+    out = torch.empty(t_q, n_kv, n_q // n_kv, head_dim, dtype=q.dtype, device=q.device)
+    block = max(1, ATTENTION_SCORES_LIMIT // (n_q * t_k))
+    key_pos = torch.arange(t_k, device=q.device)
+    for lo in range(0, t_q, block):
+        hi = min(lo + block, t_q)
+        scores = torch.einsum("qkgd,tkd->kgqt", grouped[lo:hi], k) * scale     # (Hkv, Hq/Hkv, Lq, Tk)
+        query_pos = torch.arange(t_k - t_q + lo, t_k - t_q + hi, device=q.device)
+        allowed = key_pos[None, :] <= query_pos[:, None]                         # (Lq, Tk)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+        out[lo:hi] = torch.einsum("kgqt,tkd->qkgd", probs, v)                    # (Lq, Hkv, Hq/Hkv, Dh)
+    return out.reshape(t_q, n_q, head_dim)
 
 
 def swiglu_ref(x: torch.Tensor, gate_w, up_w, down_w, gate_b=None, up_b=None, down_b=None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The vendored engine (vendored/engine on the kernels of vendored/ops) as a harness engine.
 
-Honours max_num_batched_tokens, max_num_seqs, ssm_state_dtype, allow_long_context and arrival steps. engine_args:
+Honours max_num_batched_tokens, max_num_seqs, ssm_state_dtype, allow_long_context, cuda_graphs (on a CUDA device:
+decode-only steps padded to captured sizes and replayed) and arrival steps. engine_args:
 num_kv_blocks (a smaller K/V cache forces preemption), block_size. The engine is built per run, sized for the
 longest request of that run (max_model_len), so a scenario's memory is what its requests need.
 """
@@ -36,8 +37,9 @@ class VendoredEngine(Engine):
         reasons = []
         if options.tensor_parallel_size > 1 or options.pipeline_parallel_size > 1:
             reasons.append("tensor/pipeline parallelism: not in the vendored engine yet")
-        if options.cuda_graphs:
-            reasons.append("cuda_graphs: not in the vendored engine yet")
+        if options.cuda_graphs and device.type != "cuda":
+            reasons.append(f"cuda_graphs on {device.type}: nothing to capture without a CUDA device (the engine's "
+                           "padded graph step runs eagerly there: tests/engine/test_cudagraph.py)")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"dtype {dtype_name(dtype)}: the kernels run float32, bfloat16 or float16")
         elif device.type == "cpu" and dtype != torch.float32:
@@ -57,7 +59,8 @@ class VendoredEngine(Engine):
             max_num_batched_tokens=opts.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=opts.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=max_model_len,
             num_kv_blocks=opts.engine_args.get("num_kv_blocks"), block_size=opts.engine_args.get("block_size", 16),
-            ssm_state_dtype=opts.ssm_state_dtype or "float32", allow_long_context=opts.allow_long_context)
+            ssm_state_dtype=opts.ssm_state_dtype or "float32", allow_long_context=opts.allow_long_context,
+            cuda_graphs=opts.cuda_graphs)
 
     def _run(self, requests: list[Request]) -> list[RequestResult]:
         self.engine = self._build(max(len(r.prompt) + r.max_new_tokens for r in requests))

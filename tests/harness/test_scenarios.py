@@ -38,7 +38,8 @@ def test_scenario_ids_for_q16_w4():
         "chunked_prefill-budget15-Q16", "chunked_prefill-budget16-Q16", "chunked_prefill-budget17-Q16",
         "chunked_prefill-budget33-Q16", "chunked_prefill-budget50-Q16", "chunked_prefill-budget1000-Q16",
         "tp-size2", "tp-size4", "pp-size2", "cudagraph-off", "cudagraph-on",
-        "ssm_state_dtype-float32", "ssm_state_dtype-bfloat16", "long-past_max_positions", "long-64k",
+        "ssm_state_dtype-float32", "ssm_state_dtype-bfloat16", "long-past_max_positions", "long-100k",
+        "long-100k-cudagraph",
     ]
 
 
@@ -66,8 +67,8 @@ def test_tp_sizes_include_one_above_the_group_count():
 def test_select_by_kind_and_id_and_unknown_names():
     scenarios = build_scenarios(model())
     assert {s.kind for s in select_scenarios(scenarios, "batching,tp")} == {"batching", "tp"}
-    assert [s.id for s in select_scenarios(scenarios, "long-64k")] == ["long-64k"]
-    assert "long-64k" not in [s.id for s in select_scenarios(scenarios, "all")]
+    assert [s.id for s in select_scenarios(scenarios, "long-100k")] == ["long-100k"]
+    assert "long-100k" not in [s.id for s in select_scenarios(scenarios, "all")]
     with pytest.raises(ValueError, match="unknown scenario 'chunky'"):
         select_scenarios(scenarios, "batching,chunky")
 
@@ -137,3 +138,14 @@ def test_cases_of_an_engine_slow_without_a_gpu_are_marked_slow(monkeypatch):
     monkeypatch.setattr(pytest_plugin, "get_engine", lambda name: Slowpoke)
     params = scenario_cases(["slowpoke"], model(), kinds=["batching"])
     assert params and all("slow" in {m.name for m in p.marks} for p in params)
+
+
+def test_cudagraph_workload_needs_padding_and_reuses_slots():
+    """Under the reference schedule: decode-only steps of 17, 5 and 3 rows (none a power of two), and requests that
+    arrive after others finished, with no more slots than max_num_seqs."""
+    cudagraph = next(s for s in build_scenarios(model()) if s.id == "cudagraph-on")
+    plan = plan_steps(cudagraph.shapes, max_num_batched_tokens=None, max_num_seqs=cudagraph.options.max_num_seqs)
+    decode_only = {len(s.pieces) for s in plan if all(p.decode for p in s.pieces)}
+    assert {3, 5, 17} <= decode_only
+    assert cudagraph.options.max_num_seqs == 17 < len(cudagraph.shapes)
+    assert any(s.prompt_len == 1 and s.arrival_step > 0 for s in cudagraph.shapes)

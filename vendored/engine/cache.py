@@ -4,8 +4,9 @@ StatePool: per mamba layer a conv pool (S+1, C, W-1) and an SSM pool (S+1, H, P,
 absorbs nothing and is passed to the kernels as `pad_slot_id`, so padding rows never touch a live request's state.
 A request owns one slot from admission to finish; a slot is zeroed when it is handed out again.
 
-KVCache: per attention layer K and V blocks (num_blocks, block_size, Hkv, Dh); a request owns a list of blocks
-(its block table) that grows as its context does.
+KVCache: per attention layer K and V blocks (num_blocks+1, block_size, Hkv, Dh); a request owns a list of blocks
+(its block table) that grows as its context does. Block num_blocks is the pad block, never handed out: padding rows of
+a CUDA-graph decode step write their K/V there, and no live row reads it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def free_slots(self) -> tuple[int, ...]:
+        return tuple(self._free)
+
     def allocate(self) -> int:
         slot = self._free.pop(0)
         for pool in (*self.conv.values(), *self.ssm.values()):
@@ -47,8 +52,9 @@ class KVCache:
                  device: torch.device) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.pad_block = num_blocks                                   # the extra, never-owned block
         self._free = list(range(num_blocks))
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.attn_head_dim)
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.attn_head_dim)
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in cfg.attn_layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in cfg.attn_layers}
         self.enabled = bool(cfg.attn_layers)
@@ -56,6 +62,10 @@ class KVCache:
     @property
     def num_free(self) -> int:
         return len(self._free) if self.enabled else 1 << 60
+
+    @property
+    def free_blocks(self) -> tuple[int, ...]:
+        return tuple(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) if self.enabled else 0

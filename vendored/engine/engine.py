@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .cache import KVCache, StatePool
+from .cudagraph import DecodeGraphRunner
 from .model import BambaEngineModel, StepBatch
 from .scheduler import Piece, Scheduler, Sequence
 from .weights import load
@@ -45,12 +46,16 @@ class LLMEngine:
     max_num_batched_tokens: token budget of one step (chunked prefill below the prompt length); max_num_seqs: running
     sequences at once, and the number of state slots; max_model_len: longest prompt + generation; num_kv_blocks:
     size of the K/V cache in blocks of block_size tokens (default: enough for every slot at max_model_len; fewer
-    forces preemption); ssm_state_dtype: dtype of the SSM state pool (fp32 default).
+    forces preemption); ssm_state_dtype: dtype of the SSM state pool (fp32 default); cuda_graphs: decode-only steps
+    are padded to a captured batch size and replayed as CUDA graphs (vendored/engine/cudagraph.py; on a CPU the same
+    padded step runs eagerly, nothing being capturable); allow_long_context: max_model_len may exceed
+    max_position_embeddings (RoPE positions past the trained range).
     """
 
     def __init__(self, checkpoint: str | Path, *, dtype="float32", device="cpu", max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_kv_blocks: int | None = None,
-                 block_size: int = 16, ssm_state_dtype="float32", allow_long_context: bool = False) -> None:
+                 block_size: int = 16, ssm_state_dtype="float32", allow_long_context: bool = False,
+                 cuda_graphs: bool = False) -> None:
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
@@ -75,6 +80,8 @@ class LLMEngine:
                           device=self.device)
         self.model = BambaEngineModel(self.cfg, tensors, dtype=self.dtype, device=self.device,
                                       max_positions=self.max_model_len)
+        self.graphs = DecodeGraphRunner(self.model, self.states, self.kv, max_num_seqs=max_num_seqs,
+                                        max_model_len=self.max_model_len) if cuda_graphs else None
         self.scheduler = Scheduler(self.states, self.kv, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs)
         self._arrivals = 0
@@ -111,8 +118,12 @@ class LLMEngine:
         if not pieces:
             raise EngineError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                               f"{len(self.scheduler.running)} running requests")
-        batch, rows = self._build_batch(pieces)
-        logits = self.model.forward(batch, self.states, self.kv)
+        if self.graphs is not None and self.graphs.handles(pieces):
+            logits = self.graphs.run(pieces)                      # one row per decode, every one wanted
+            rows = [(i, 1) for i in range(len(pieces))]
+        else:
+            batch, rows = self._build_batch(pieces)
+            logits = self.model.forward(batch, self.states, self.kv)
         self.steps += 1
         done = []
         for piece, (first_row, count) in zip(pieces, rows):

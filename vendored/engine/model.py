@@ -18,6 +18,7 @@ from vendored.ops.selective_state_update import selective_state_update
 from vendored.ops.ssd_scan import ssd_scan
 
 from .cache import KVCache, StatePool
+from .paged_attention import paged_decode_attention
 from .weights import EngineModelConfig
 
 
@@ -30,7 +31,8 @@ class StepBatch:
     prefill tokens; prefill_slots, prefill_has_initial_state (n_prefill,); query_start (n_seq+1,) offsets of each
     sequence's tokens in the step; context_lens (n_seq,) tokens in cache after the step; block_tables (n_seq, M);
     kv_slot_mapping (T,) flat K/V position (block·block_size + offset) of each new token; logits_rows: the rows whose
-    logits are wanted.
+    logits are wanted. static_decode: every row is a decode (padding rows included) and attention runs over the full
+    block-table width, so that no shape depends on the contexts (the CUDA-graph step, vendored/engine/cudagraph.py).
     """
 
     token_ids: torch.Tensor
@@ -45,6 +47,7 @@ class StepBatch:
     block_tables: torch.Tensor
     kv_slot_mapping: torch.Tensor
     logits_rows: torch.Tensor
+    static_decode: bool = False
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,6 +144,10 @@ class BambaEngineModel:
         k_cache, v_cache = kv.k[i].view(-1, Hkv, Dh), kv.v[i].view(-1, Hkv, Dh)            # (blocks·bs, Hkv, Dh)
         k_cache.index_copy_(0, batch.kv_slot_mapping, k)
         v_cache.index_copy_(0, batch.kv_slot_mapping, v)
+        if batch.static_decode:
+            out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                         block_size=kv.block_size, scale=Dh ** -0.5)         # (T, Hq, Dh)
+            return self._linear(out.reshape(-1, Hq * Dh), p + "o_proj")
 
         # Gather every sequence's context into a padded (n_seq, L, ...) view and attend with one masked call.
         n_seq = batch.context_lens.shape[0]

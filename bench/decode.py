@@ -1,0 +1,223 @@
+"""Decode throughput of the vendored engine with and without CUDA graphs.
+
+For each model, batch size and mode (graphs on / off) an engine is built with max_num_seqs = batch, `batch` prompts
+of PROMPT_TOKENS tokens are prefilled in one step, a few decode steps warm up, then `--steps` decode steps are timed:
+- engine tokens/s: whole engine steps (scheduling, the forward, log-softmax and greedy choice per row);
+- forward tokens/s: the decode forward alone as a step runs it (inputs written to the device, the model run; with
+  graphs, the padded buffers filled and the graph replayed), repeated on one step's pieces.
+Models: `tiny` (fixtures/tiny-bamba) and `bamba9b-2layer` (random weights, one mamba and one attention layer at
+Bamba-9B widths: D 4096, H 128 × P 64, N 128, G 1, Hq 32 / Hkv 8 × Dh 128, MLP 14336, V 128256).
+
+    python -m bench.decode                           # on CUDA: both models, batches 1, 8, 64, bf16
+    python -m bench.decode --models tiny --batch-sizes 1,8 --steps 4     # a CPU smoke run (no capture there)
+
+Writes decode.json, decode.md and decode.png (when matplotlib is there) to --out (default out/bench).
+On a CPU nothing is captured: "graphs on" is the same padded step run eagerly, so the numbers only show its cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from harness.cli import prepare_environment
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "fixtures" / "tiny-bamba"
+PROMPT_TOKENS = 16
+WARMUP_STEPS = 3
+
+BAMBA_9B_SLICE = dict(
+    architectures=["BambaForCausalLM"], model_type="bamba", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=2, attn_layer_indices=[1], num_attention_heads=32,
+    num_key_value_heads=8, mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+    mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
+
+def write_random_slice(directory: Path, config: dict, *, device: str, seed: int = 0) -> Path:
+    """A checkpoint of `config` with random bf16 weights under Hugging Face key names (weights drawn on `device`)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    D, V, I = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    H, P, G, N, W = (config[k] for k in ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+                                         "mamba_d_conv"))
+    Hq, Hkv = config["num_attention_heads"], config["num_key_value_heads"]
+    Dh, C = D // Hq, H * P + 2 * G * N
+
+    def normal(*shape, std=0.02):
+        return (torch.randn(shape, generator=gen, device=device) * std).to(torch.bfloat16).cpu()
+
+    def uniform(n, lo, hi):
+        return (torch.rand(n, generator=gen, device=device) * (hi - lo) + lo).cpu()
+
+    tensors = {"model.embed_tokens.weight": normal(V, D), "lm_head.weight": normal(V, D),
+               "model.final_layernorm.weight": torch.ones(D, dtype=torch.bfloat16)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = torch.ones(D, dtype=torch.bfloat16)
+        tensors[p + "pre_ff_layernorm.weight"] = torch.ones(D, dtype=torch.bfloat16)
+        for name, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+            tensors[p + f"feed_forward.{name}.weight"] = normal(*shape)
+        if i in config["attn_layer_indices"]:
+            for name, rows in (("q_proj", Hq * Dh), ("k_proj", Hkv * Dh), ("v_proj", Hkv * Dh)):
+                tensors[p + f"self_attn.{name}.weight"] = normal(rows, D)
+            tensors[p + "self_attn.o_proj.weight"] = normal(D, Hq * Dh)
+            continue
+        dt = uniform(H, math.log(1e-3), math.log(1e-1)).exp()
+        tensors.update({
+            p + "mamba.in_proj.weight": normal(H * P + C + H, D),
+            p + "mamba.conv1d.weight": normal(C, 1, W, std=0.2),
+            p + "mamba.conv1d.bias": torch.zeros(C, dtype=torch.bfloat16),
+            p + "mamba.out_proj.weight": normal(D, H * P),
+            p + "mamba.norm.weight": torch.ones(H * P, dtype=torch.bfloat16),
+            p + "mamba.A_log": uniform(H, 1.0, 16.0).log(),
+            p + "mamba.D": torch.ones(H),
+            p + "mamba.dt_bias": dt + torch.log(-torch.expm1(-dt)),                    # softplus⁻¹(dt)
+        })
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: str, device: str) -> dict:
+    """Tokens/s of `steps` decode steps at this batch size (engine and forward alone)."""
+    from vendored.engine import LLMEngine          # after prepare_environment: the interpreter where no CUDA
+
+    engine = LLMEngine(checkpoint, dtype=dtype, device=device, max_num_seqs=batch,
+                       max_num_batched_tokens=batch * PROMPT_TOKENS,
+                       max_model_len=PROMPT_TOKENS + WARMUP_STEPS + 2 * steps + 2, cuda_graphs=graphs)
+    vocab = engine.cfg.vocab_size
+    for i in range(batch):
+        prompt = [(7 * i + 3 * t + 1) % vocab for t in range(PROMPT_TOKENS)]
+        engine.add_request(f"b{i}", prompt, max_new_tokens=WARMUP_STEPS + 2 * steps + 1, top_k=1)
+    for _ in range(1 + WARMUP_STEPS):                                  # the prefill step, then warm-up decodes
+        engine.step()
+    dev = engine.device
+    _sync(dev)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(dev)
+    engine_s = time.perf_counter() - start
+
+    pieces = engine.scheduler.schedule()                               # the next step's decodes, run repeatedly
+    assert len(pieces) == batch and all(p.is_decode for p in pieces), "the benchmark step is not all decodes"
+    if graphs:
+        def forward():
+            return engine.graphs.run(pieces)
+    else:
+        def forward():
+            return engine.model.forward(engine._build_batch(pieces)[0], engine.states, engine.kv)
+    forward()
+    _sync(dev)
+    start = time.perf_counter()
+    for _ in range(steps):
+        forward()
+    _sync(dev)
+    forward_s = time.perf_counter() - start
+    return dict(batch=batch, cuda_graphs=graphs, captured=bool(graphs and engine.graphs.replays),
+                steps=steps, engine_step_ms=1e3 * engine_s / steps, engine_tokens_per_s=batch * steps / engine_s,
+                forward_ms=1e3 * forward_s / steps, forward_tokens_per_s=batch * steps / forward_s)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | batch | graphs | engine tok/s | forward tok/s | forward ms/step | forward speed-up |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    off = {(r["model"], r["batch"]): r for r in rows if not r["cuda_graphs"]}
+    for r in rows:
+        base = off.get((r["model"], r["batch"]))
+        gain = f"{base['forward_ms'] / r['forward_ms']:.2f}×" if r["cuda_graphs"] and base else ""
+        mode = ("on" if r["captured"] else "on (eager, no CUDA)") if r["cuda_graphs"] else "off"
+        lines.append(f"| {r['model']} | {r['batch']} | {mode} | {r['engine_tokens_per_s']:.4g} | "
+                     f"{r['forward_tokens_per_s']:.4g} | {r['forward_ms']:.3f} | {gain} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for graphs, offset in ((False, -0.2), (True, 0.2)):
+            mine = [r for r in rows if r["model"] == model and r["cuda_graphs"] == graphs]
+            ax.bar([i + offset for i in range(len(mine))], [r["forward_tokens_per_s"] for r in mine], width=0.4,
+                   label="graphs on" if graphs else "graphs off")
+            ax.set_xticks(range(len(mine)), [str(r["batch"]) for r in mine])
+        ax.set_title(f"{model}: decode forward")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("tokens/s")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    prepare_environment()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    on_gpu = torch.cuda.is_available()
+    parser.add_argument("--device", default="cuda" if on_gpu else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
+    parser.add_argument("--models", default="tiny,bamba9b-2layer" if on_gpu else "tiny")
+    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--out", default="out/bench")
+    args = parser.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - {"tiny", "bamba9b-2layer"})
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; expected tiny and/or bamba9b-2layer")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoints = {"tiny": TINY}
+        if "bamba9b-2layer" in models:
+            checkpoints["bamba9b-2layer"] = write_random_slice(Path(scratch) / "bamba9b-2layer", BAMBA_9B_SLICE,
+                                                                device=args.device)
+        runs = [(m, b, g) for m in models for b in batches for g in (False, True)]
+        for model, batch, graphs in tqdm(runs, desc="decode bench"):
+            row = measure(checkpoints[model], batch=batch, graphs=graphs, steps=args.steps, dtype=dtype,
+                          device=args.device)
+            rows.append(dict(model=model, device=args.device, dtype=dtype, **row))
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    meta = dict(torch=torch.__version__, device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                prompt_tokens=PROMPT_TOKENS, warmup_steps=WARMUP_STEPS)
+    (out / "decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    table = markdown(rows)
+    (out / "decode.md").write_text(f"Decode throughput ({meta['device_name']}, {dtype}, torch {meta['torch']})\n\n"
+                                   + table)
+    plotted = plot(rows, out / "decode.png")
+    print(table)
+    print(f"wrote {out / 'decode.json'}, {out / 'decode.md'}" + (f", {out / 'decode.png'}" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
