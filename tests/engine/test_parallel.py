@@ -16,7 +16,6 @@ import time
 import pytest
 import torch
 
-from harness.adapters.vendored import VendoredEngine
 from harness.engine import EngineOptions
 from harness.runner import Oracle, ScenarioSkipped, check_scenario
 from harness.scenarios import PromptSource, Scenario, build_scenarios
@@ -81,7 +80,8 @@ def _random_case(tp: int, groups: int, *, pp: int = 1, budget: int | None = None
     name = f"tp-size{tp}" + (f"-pp-size{pp}" if pp > 1 else "") + f"-G{groups}-H{overrides.get('mamba_n_heads', 4)}"
     name += f"-budget{budget}" if budget else ""
     options = EngineOptions(tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=budget)
-    return pytest.param(overrides, name, options, id=name, marks=[pytest.mark.tp] + ([pytest.mark.slow] if slow else []))
+    marks = [pytest.mark.tp] + ([pytest.mark.slow] if slow else [])
+    return pytest.param(overrides, name, options, id=name, marks=marks)
 
 
 # In `make test`: groups sharded (G4 at tp 2), replicated with norm statistics summed across ranks and K/V heads

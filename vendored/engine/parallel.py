@@ -3,10 +3,11 @@
 The driver (the process that made the LLMEngine) starts tp × pp workers (multiprocessing's forkserver: the driver's
 script needs the usual `if __name__ == "__main__":` guard), keeps the scheduler and sends every worker the same step
 batch over a pipe; the workers run the model over torch.distributed (gloo on the CPU, NCCL on CUDA, rendezvous
-through a file) and tensor-parallel rank 0 of the last pipeline stage sends the logits back. Rank = stage · tp + tp rank. Each worker
-holds its shard of the weights (vendored/engine/sharding.py) and its own StatePool and KVCache for its layers; the
-driver holds only the bookkeeping (free slots and blocks). Workers zero a state slot when a sequence's first piece
-arrives in it (a prefill without initial state), as the single-process engine zeroes a slot when it hands it out.
+through a file) and tensor-parallel rank 0 of the last pipeline stage sends the logits back. Rank = stage · tp + tp
+rank. Each worker holds its shard of the weights (vendored/engine/sharding.py) and its own StatePool and KVCache
+for its layers; the driver holds only the bookkeeping (free slots and blocks). Workers zero a state slot when a
+sequence's first piece arrives in it (a prefill without initial state), as the single-process engine zeroes a slot
+when it hands it out.
 
 Failure: a worker that raises sends its traceback before it exits; one that dies without a word (killed, segfault)
 is seen through its process sentinel, and the tail of its log (faulthandler writes fatal-signal tracebacks there)

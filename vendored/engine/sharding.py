@@ -114,7 +114,8 @@ def _blocks(ids, width: int, offset: int = 0) -> list[int]:
 
 
 def _slices(cfg: EngineModelConfig, shard: RankShard) -> dict[str, dict[str, tuple[int, list[int]] | None]]:
-    """Per mixer kind and for the MLP: parameter suffix -> (dim, indices) of the rank's slice, or None (whole)."""
+    """For each mixer kind and for every layer (MLP, norms): parameter suffix -> (dim, indices) of the rank's
+    slice, or None (held whole)."""
     H, P, G, N = cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
     HP, GN, Dh = H * P, G * N, cfg.attn_head_dim
     x_rows = _blocks(shard.heads, P)                                     # the rank's channels of z, x, y
@@ -135,7 +136,7 @@ def _slices(cfg: EngineModelConfig, shard: RankShard) -> dict[str, dict[str, tup
                       "self_attn.k_proj.weight": (0, kv_rows), "self_attn.k_proj.bias": (0, kv_rows),
                       "self_attn.v_proj.weight": (0, kv_rows), "self_attn.v_proj.bias": (0, kv_rows),
                       "self_attn.o_proj.weight": (1, q_rows), "self_attn.o_proj.bias": None},
-        "mlp": {"feed_forward.gate_proj.weight": (0, ffn), "feed_forward.gate_proj.bias": (0, ffn),
+        "every layer": {"feed_forward.gate_proj.weight": (0, ffn), "feed_forward.gate_proj.bias": (0, ffn),
                 "feed_forward.up_proj.weight": (0, ffn), "feed_forward.up_proj.bias": (0, ffn),
                 "feed_forward.down_proj.weight": (1, ffn), "feed_forward.down_proj.bias": None,
                 "input_layernorm.weight": None, "pre_ff_layernorm.weight": None},
@@ -150,7 +151,7 @@ def shard_tensors(cfg: EngineModelConfig, get: Callable[[str], torch.Tensor | No
     out: dict[str, torch.Tensor] = {}
     for i in layers:
         mixer = "attention" if i in cfg.attn_layers else "mamba"
-        for suffix, spec in {**slices[mixer], **slices["mlp"]}.items():
+        for suffix, spec in {**slices[mixer], **slices["every layer"]}.items():
             key = f"model.layers.{i}.{suffix}"
             tensor = get(key)
             if tensor is None:
