@@ -17,7 +17,7 @@ import torch
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
 from .compare import ATOL, DEFAULT_K, Budget, Report, compare_runs
-from .engine import Engine, EngineOptions, Request, RequestResult, dtype_name, parse_dtype
+from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
 from .scenarios import PromptSource, Scenario
 
 # Full distributions are returned (for exact KL) while one request's rows stay below this many elements.
@@ -114,6 +114,15 @@ def _prepare(engine: str | type[Engine], scenario: Scenario, *, dtype, device, s
     return engine_cls, options, requests
 
 
+def _open(engine_cls: type[Engine], checkpoint: Path, *, dtype, device, options: EngineOptions) -> Engine:
+    """Build the engine; options it finds it cannot honour only once it sees the checkpoint (a model that does not
+    split over the asked ranks) skip the scenario like any other unsupported option."""
+    try:
+        return engine_cls(checkpoint, dtype=dtype, device=device, options=options)
+    except UnsupportedOptions as err:
+        raise ScenarioSkipped(err.reasons) from err
+
+
 def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Oracle, source: PromptSource,
                    dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    k: float = DEFAULT_K, atol: float | None = None, engine_args: dict | None = None,
@@ -123,7 +132,7 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
     dtype = parse_dtype(dtype)
     engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
                                              source=source, engine_args=engine_args, top_k=top_k)
-    with engine_cls(oracle.checkpoint, dtype=dtype, device=device, options=options) as candidate:
+    with _open(engine_cls, oracle.checkpoint, dtype=dtype, device=device, options=options) as candidate:
         reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
         if reasons:
             raise ScenarioSkipped(reasons)
@@ -146,9 +155,9 @@ def check_relative(engine: str | type[Engine], scenario: Scenario, *, baseline_o
     engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
                                              source=source, engine_args=None, top_k=top_k)
     budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
-    with engine_cls(oracle.checkpoint, dtype=dtype, device=device, options=baseline_options) as engine_a:
+    with _open(engine_cls, oracle.checkpoint, dtype=dtype, device=device, options=baseline_options) as engine_a:
         baseline = engine_a.run(requests)
-    with engine_cls(oracle.checkpoint, dtype=dtype, device=device, options=options) as engine_b:
+    with _open(engine_cls, oracle.checkpoint, dtype=dtype, device=device, options=options) as engine_b:
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                               candidate=engine_b.run(requests), budget=budget, rerun=engine_b.run,
                               baseline_name=f"{engine_cls.name} {baseline_options.non_default() or 'defaults'}")

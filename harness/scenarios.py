@@ -208,13 +208,27 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
         tags = ", ".join(sorted(boundary_tags(chunked, options, Q, W)))
         out.append(Scenario(f"chunked_prefill-budget{budget}-Q{Q}", "chunked_prefill", options, chunked,
                             f"token budget {budget} per step; {tags}"))
-    tp_sizes = sorted({2, 4} | {next_power_of_two_above(G)})
+    tp_sizes = sorted({1, 2, 4} | {next_power_of_two_above(G)})
     for tp in tp_sizes:
-        facts = f"G % tp = {G % tp}{' (groups split unevenly)' if G % tp else ''}, tp {'>' if tp > G else '<='} G"
-        out.append(Scenario(f"tp-size{tp}", "tp", EngineOptions(tensor_parallel_size=tp), batch,
-                            f"tensor parallel over {tp} ranks, G = {G}: {facts}", marks=("tp",)))
-    out.append(Scenario("pp-size2", "pp", EngineOptions(pipeline_parallel_size=2), batch,
-                        "pipeline parallel over 2 ranks", marks=("tp",)))
+        if tp == 1:
+            about = "one rank: the baseline of the tp scenarios"
+        elif G % tp == 0:
+            about = f"tensor parallel over {tp} ranks, G = {G}: B/C groups sharded, {G // tp} per rank"
+        else:
+            about = (f"tensor parallel over {tp} ranks, G = {G}: G % tp = {G % tp}, B/C groups replicated on the "
+                     "ranks that read them, gated-norm statistics summed across ranks")
+        out.append(Scenario(f"tp-size{tp}", "tp", EngineOptions(tensor_parallel_size=tp), batch, about,
+                            marks=("tp",) if tp > 1 else ()))
+    tp_budget = Q + 1
+    out.append(Scenario(f"tp-size2-budget{tp_budget}-Q{Q}", "tp",
+                        EngineOptions(tensor_parallel_size=2, max_num_batched_tokens=tp_budget), chunked,
+                        f"tensor parallel over 2 ranks with chunked prefill, token budget {tp_budget}: "
+                        + ", ".join(sorted(boundary_tags(chunked, EngineOptions(max_num_batched_tokens=tp_budget),
+                                                         Q, W))), marks=("tp",)))
+    for pp in (1, 2):
+        out.append(Scenario(f"pp-size{pp}", "pp", EngineOptions(pipeline_parallel_size=pp), batch,
+                            "pipeline parallel over 2 stages, each holding the weights, states and K/V of its layers"
+                            if pp > 1 else "one stage: the baseline of pp-size2", marks=("tp",) if pp > 1 else ()))
     out += [
         Scenario("cudagraph-off", "cudagraph", EngineOptions(cuda_graphs=False, max_num_seqs=CUDAGRAPH_MAX_NUM_SEQS),
                  graphs, "eager decode of the cudagraph workload (the baseline of cudagraph-on)",

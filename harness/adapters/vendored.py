@@ -1,16 +1,19 @@
 """The vendored engine (vendored/engine on the kernels of vendored/ops) as a harness engine.
 
 Honours max_num_batched_tokens, max_num_seqs, ssm_state_dtype, allow_long_context, cuda_graphs (on a CUDA device:
-decode-only steps padded to captured sizes and replayed) and arrival steps. engine_args:
-num_kv_blocks (a smaller K/V cache forces preemption), block_size. The engine is built per run, sized for the
-longest request of that run (max_model_len), so a scenario's memory is what its requests need.
+decode-only steps padded to captured sizes and replayed), tensor_parallel_size, pipeline_parallel_size (worker
+processes: gloo on the CPU, one CUDA device per rank with NCCL) and arrival steps. engine_args: num_kv_blocks (a
+smaller K/V cache forces preemption), block_size, parallel_timeout_s. The engine is built per run, sized for the
+longest request of that run (max_model_len), so a scenario's memory is what its requests need. A model that cannot
+be split over the asked ranks (heads not divisible by tp, ...) is reported unsupported; CUDA graphs are for one rank.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..engine import Engine, EngineOptions, Request, RequestResult, dtype_name, result_from_logprobs
+from ..engine import (Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name,
+                      result_from_logprobs)
 
 # What the engine does when a scenario leaves a knob at None: no chunking for these prompt sizes, 64 in flight.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -20,7 +23,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 class VendoredEngine(Engine):
     name = "vendored"
     default_dtype = torch.float32
-    engine_arg_names = frozenset({"num_kv_blocks", "block_size"})
+    engine_arg_names = frozenset({"num_kv_blocks", "block_size", "parallel_timeout_s"})
     has_scheduler = True
     slow_on_cpu = True          # the Triton interpreter: the generic matrix runs it under `slow`; tests/engine do not
 
@@ -35,8 +38,12 @@ class VendoredEngine(Engine):
     @classmethod
     def _unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: torch.device) -> list[str]:
         reasons = []
-        if options.tensor_parallel_size > 1 or options.pipeline_parallel_size > 1:
-            reasons.append("tensor/pipeline parallelism: not in the vendored engine yet")
+        ranks = options.tensor_parallel_size * options.pipeline_parallel_size
+        if ranks > 1 and device.type == "cuda" and ranks > torch.cuda.device_count():
+            reasons.append(f"tensor_parallel_size × pipeline_parallel_size = {ranks}: needs {ranks} CUDA devices, "
+                           f"this machine has {torch.cuda.device_count()}")
+        if options.cuda_graphs and ranks > 1:
+            reasons.append(f"cuda_graphs with {ranks} ranks: decode graphs are captured for a single rank")
         if options.cuda_graphs and device.type != "cuda":
             reasons.append(f"cuda_graphs on {device.type}: nothing to capture without a CUDA device (the engine's "
                            "padded graph step runs eagerly there: tests/engine/test_cudagraph.py)")
@@ -48,7 +55,14 @@ class VendoredEngine(Engine):
 
     def _load(self) -> None:
         from vendored.engine import LLMEngine
+        from vendored.engine.sharding import parallel_problems
+        from vendored.engine.weights import read_config
 
+        opts = self.options
+        problems = parallel_problems(read_config(self.checkpoint), self.cfg.intermediate_size,
+                                     opts.tensor_parallel_size, opts.pipeline_parallel_size)
+        if problems:
+            raise UnsupportedOptions(self.name, problems)
         self._engine_class = LLMEngine
         self.engine = None
 
@@ -60,9 +74,12 @@ class VendoredEngine(Engine):
             max_num_seqs=opts.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=max_model_len,
             num_kv_blocks=opts.engine_args.get("num_kv_blocks"), block_size=opts.engine_args.get("block_size", 16),
             ssm_state_dtype=opts.ssm_state_dtype or "float32", allow_long_context=opts.allow_long_context,
-            cuda_graphs=opts.cuda_graphs)
+            cuda_graphs=opts.cuda_graphs,
+            tensor_parallel_size=opts.tensor_parallel_size, pipeline_parallel_size=opts.pipeline_parallel_size,
+            parallel_timeout_s=float(opts.engine_args.get("parallel_timeout_s", 600.0)))
 
     def _run(self, requests: list[Request]) -> list[RequestResult]:
+        self._close_engine()
         self.engine = self._build(max(len(r.prompt) + r.max_new_tokens for r in requests))
         now = [(r.request_id, list(r.prompt), r.max_new_tokens) for r in requests if r.arrival_step == 0]
         later: dict[int, list] = {}
@@ -78,6 +95,11 @@ class VendoredEngine(Engine):
             results.append(result_from_logprobs(r, rows, out.output_ids))
         return results
 
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()             # joins the worker processes of a parallel engine
+            self.engine = None
+
     def close(self) -> None:
-        self.engine = None
+        self._close_engine()
         super().close()

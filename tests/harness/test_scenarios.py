@@ -37,7 +37,8 @@ def test_scenario_ids_for_q16_w4():
         "chunked_prefill-budget1-Q16", "chunked_prefill-budget2-Q16", "chunked_prefill-budget3-Q16",
         "chunked_prefill-budget15-Q16", "chunked_prefill-budget16-Q16", "chunked_prefill-budget17-Q16",
         "chunked_prefill-budget33-Q16", "chunked_prefill-budget50-Q16", "chunked_prefill-budget1000-Q16",
-        "tp-size2", "tp-size4", "pp-size2", "cudagraph-off", "cudagraph-on",
+        "tp-size1", "tp-size2", "tp-size4", "tp-size2-budget17-Q16", "pp-size1", "pp-size2",
+        "cudagraph-off", "cudagraph-on",
         "ssm_state_dtype-float32", "ssm_state_dtype-bfloat16", "long-past_max_positions", "long-100k",
         "long-100k-cudagraph",
     ]
@@ -61,7 +62,7 @@ def test_chunked_budgets_cover_every_boundary_case(Q, W):
 
 def test_tp_sizes_include_one_above_the_group_count():
     ids = [s.id for s in build_scenarios(model(G=4)) if s.kind == "tp"]
-    assert ids == ["tp-size2", "tp-size4", "tp-size8"]
+    assert ids == ["tp-size1", "tp-size2", "tp-size4", "tp-size8", "tp-size2-budget17-Q16"]
 
 
 def test_select_by_kind_and_id_and_unknown_names():
@@ -122,11 +123,14 @@ def test_prompts_file_is_sliced_and_checked_against_the_vocabulary(tmp_path):
 def test_case_ids_carry_engine_and_scenario_and_markers():
     params = scenario_cases(["reference", "transformers"], model(), kinds=["cudagraph", "tp"])
     assert [p.id for p in params] == [
-        "reference-tp-size2", "reference-tp-size4", "reference-cudagraph-off", "reference-cudagraph-on",
-        "transformers-tp-size2", "transformers-tp-size4", "transformers-cudagraph-off", "transformers-cudagraph-on",
+        "reference-tp-size1", "reference-tp-size2", "reference-tp-size4", "reference-tp-size2-budget17-Q16",
+        "reference-cudagraph-off", "reference-cudagraph-on",
+        "transformers-tp-size1", "transformers-tp-size2", "transformers-tp-size4",
+        "transformers-tp-size2-budget17-Q16", "transformers-cudagraph-off", "transformers-cudagraph-on",
     ]
-    on = params[3]
-    assert {m.name for m in on.marks} == {"cudagraph", "gpu"}
+    by_id = {p.id: p for p in params}
+    assert {m.name for m in by_id["reference-cudagraph-on"].marks} == {"cudagraph", "gpu"}
+    assert {m.name for m in by_id["reference-tp-size2"].marks} == {"tp"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="engines are marked slow only where there is no CUDA device")

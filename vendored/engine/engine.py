@@ -50,14 +50,20 @@ class LLMEngine:
     are padded to a captured batch size and replayed as CUDA graphs (vendored/engine/cudagraph.py; on a CPU the same
     padded step runs eagerly, nothing being capturable); allow_long_context: max_model_len may exceed
     max_position_embeddings (RoPE positions past the trained range).
+    tensor_parallel_size, pipeline_parallel_size: with more than one rank in all, the engine spawns that many worker
+    processes (vendored/engine/parallel.py; on CUDA, one device each from `device` on) and joins them in close();
+    parallel_timeout_s bounds start-up and every step, after which the call fails with the workers' stacks. CUDA
+    graphs are for a single rank (a parallel engine with cuda_graphs is refused).
     """
 
     def __init__(self, checkpoint: str | Path, *, dtype="float32", device="cpu", max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_kv_blocks: int | None = None,
                  block_size: int = 16, ssm_state_dtype="float32", allow_long_context: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 parallel_timeout_s: float = 600.0) -> None:
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
-                            ("block_size", block_size)):
+                            ("block_size", block_size), ("tensor_parallel_size", tensor_parallel_size),
+                            ("pipeline_parallel_size", pipeline_parallel_size)):
             if not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name}: expected a positive integer, got {value!r}")
         try:
@@ -73,13 +79,29 @@ class LLMEngine:
         if self.max_model_len > limit and not allow_long_context:
             raise EngineError(f"max_model_len = {self.max_model_len} exceeds max_position_embeddings = {limit}; "
                               "pass allow_long_context=True to go beyond")
+        parallel = tensor_parallel_size * pipeline_parallel_size > 1
+        if parallel and cuda_graphs:
+            raise EngineError("cuda_graphs: decode graphs are captured for a single rank; with tensor_parallel_size = "
+                              f"{tensor_parallel_size}, pipeline_parallel_size = {pipeline_parallel_size} pass "
+                              "cuda_graphs=False")
+        held = () if parallel else None       # a parallel engine's states and K/V live in its workers
+        self._batch_device = torch.device("cpu") if parallel else self.device
         self.states = StatePool(self.cfg, max_num_seqs, dtype=self.dtype, state_dtype=_dtype(ssm_state_dtype),
-                                device=self.device)
+                                device=self.device, layers=held)
         blocks_per_seq = -(-self.max_model_len // block_size)
         self.kv = KVCache(self.cfg, num_kv_blocks or max_num_seqs * blocks_per_seq, block_size, dtype=self.dtype,
-                          device=self.device)
-        self.model = BambaEngineModel(self.cfg, tensors, dtype=self.dtype, device=self.device,
-                                      max_positions=self.max_model_len)
+                          device=self.device, layers=held)
+        if parallel:
+            from .parallel import start_parallel_model
+
+            self.model = start_parallel_model(
+                checkpoint, self.cfg, tensors, tp=tensor_parallel_size, pp=pipeline_parallel_size, dtype=self.dtype,
+                state_dtype=_dtype(ssm_state_dtype), device=self.device, max_positions=self.max_model_len,
+                num_slots=max_num_seqs, num_blocks=self.kv.num_blocks, block_size=block_size,
+                timeout_s=parallel_timeout_s)
+        else:
+            self.model = BambaEngineModel(self.cfg, tensors, dtype=self.dtype, device=self.device,
+                                          max_positions=self.max_model_len)
         self.graphs = DecodeGraphRunner(self.model, self.states, self.kv, max_num_seqs=max_num_seqs,
                                         max_model_len=self.max_model_len) if cuda_graphs else None
         self.scheduler = Scheduler(self.states, self.kv, max_num_batched_tokens=max_num_batched_tokens,
@@ -87,6 +109,12 @@ class LLMEngine:
         self._arrivals = 0
         self.steps = 0
         self.total_preemptions = 0
+
+    def close(self) -> None:
+        """Stop and join the worker processes of a parallel engine (nothing to do for a single-process one)."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int = 0, top_k: int = 5,
@@ -136,7 +164,7 @@ class LLMEngine:
         return done
 
     def _build_batch(self, pieces: list[Piece]) -> tuple[StepBatch, list[tuple[int, int]]]:
-        dev, bs = self.device, self.kv.block_size
+        dev, bs = self._batch_device, self.kv.block_size
         tokens, positions, kv_map, logits_rows, rows, q_start = [], [], [], [], [], [0]
         for piece in pieces:
             seq, span = piece.seq, range(piece.start, piece.start + piece.length)

@@ -57,11 +57,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class BambaEngineModel:
+    """The model of one engine step. layers: the decoder layers this instance holds (all by default; a pipeline
+    stage holds a contiguous range, and `tensors` need only have the weights of those layers)."""
+
     def __init__(self, cfg: EngineModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                 device: torch.device, max_positions: int) -> None:
+                 device: torch.device, max_positions: int, layers: range | None = None) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.layers = range(cfg.num_layers) if layers is None else layers
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
-        for i in cfg.mamba_layers:
+        for i in (i for i in cfg.mamba_layers if i in self.layers):
             p = f"model.layers.{i}.mamba."
             self.w[p + "A"] = -torch.exp(tensors[p + "A_log"].to(device=device, dtype=torch.float32))
             self.w[p + "D"] = tensors[p + "D"].to(device=device, dtype=torch.float32)
@@ -76,9 +80,15 @@ class BambaEngineModel:
 
     def forward(self, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
         """Runs the step, updating states and K/V in place. Returns fp32 logits (len(logits_rows), V)."""
+        return self.logits(self.run_layers(self.embed(batch), batch, states, kv), batch)
+
+    def embed(self, batch: StepBatch) -> torch.Tensor:
+        return F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])             # (T, D)
+
+    def run_layers(self, h: torch.Tensor, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
+        """The residual stream h (T, D) through this instance's layers."""
         cfg = self.cfg
-        h = F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])               # (T, D)
-        for i in range(cfg.num_layers):
+        for i in self.layers:
             p = f"model.layers.{i}."
             x = _rms_norm(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             if i in cfg.attn_layers:
@@ -87,11 +97,25 @@ class BambaEngineModel:
                 h = h + self._mamba(i, x, batch, states)
             x = _rms_norm(h, self.w[p + "pre_ff_layernorm.weight"], cfg.rms_norm_eps)
             h = h + self._mlp(i, x)
-        h = _rms_norm(h[batch.logits_rows], self.w["model.final_layernorm.weight"], cfg.rms_norm_eps)
+        return h
+
+    def logits(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        h = _rms_norm(h[batch.logits_rows], self.w["model.final_layernorm.weight"], self.cfg.rms_norm_eps)
         return F.linear(h, self.w["lm_head.weight"]).float()
 
     def _linear(self, x, name):
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _output_linear(self, x, name):
+        """An output projection (out_proj, o_proj, down_proj): the one place where a tensor-parallel shard sums its
+        partial products across ranks (vendored/engine/parallel.py overrides it)."""
+        return self._linear(x, name)
+
+    def _gated_norm(self, i: int, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm of mamba layer i, per group of H·P/G channels. y, z (T, H·P)."""
+        cfg = self.cfg
+        return rms_norm_gated(y, z, self.w[f"model.layers.{i}.mamba.norm.weight"], eps=cfg.rms_norm_eps,
+                              group_size=cfg.n_heads * cfg.head_dim // cfg.n_groups, norm_before_gate=False)
 
     def _mamba(self, i: int, x: torch.Tensor, batch: StepBatch, states: StatePool) -> torch.Tensor:
         cfg, p = self.cfg, f"model.layers.{i}.mamba."
@@ -123,9 +147,8 @@ class BambaEngineModel:
                 chunk_size=cfg.chunk_size, cu_seqlens=batch.prefill_cu_seqlens, ssm_states=ssm_pool,
                 state_indices=batch.prefill_slots, has_initial_state=batch.prefill_has_initial_state,
                 **common).to(x.dtype)
-        y = rms_norm_gated(y.reshape(T, H * P), z.contiguous(), self.w[p + "norm.weight"], eps=cfg.rms_norm_eps,
-                           group_size=H * P // G, norm_before_gate=False)
-        return self._linear(y, p + "out_proj")
+        y = self._gated_norm(i, y.reshape(T, H * P), z.contiguous())
+        return self._output_linear(y, p + "out_proj")
 
     def _rope(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """NeoX rotate-half on the first R dims of each head. t (T, heads, Dh)."""
@@ -171,8 +194,9 @@ class BambaEngineModel:
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed[:, None],
             scale=Dh ** -0.5, enable_gqa=True)                                              # (n_seq, Hq, Tq, Dh)
         out = out.transpose(1, 2)[q_valid]                                                  # (T, Hq, Dh)
-        return self._linear(out.reshape(-1, Hq * Dh), p + "o_proj")
+        return self._output_linear(out.reshape(-1, Hq * Dh), p + "o_proj")
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.feed_forward."
-        return self._linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"), p + "down_proj")
+        return self._output_linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"),
+                                   p + "down_proj")
