@@ -9,7 +9,7 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare clean
+.PHONY: help venv test test-all test-slow test-gpu compare mutants mutants-ci mutants-gpu clean
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
@@ -17,6 +17,8 @@ help:
 	@echo "make test-slow the slow CPU tests (fuzz, preemption, the vendored engine's generic scenario matrix)"
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
+	@echo "make mutants   plant every CPU mutant (mutants/defs) in a scratch copy; its tests must catch it"
+	@echo "make mutants-gpu  the GPU-only mutants, on a CUDA machine with the python3 that is there"
 	@echo "make clean     remove .venv and caches"
 
 $(STAMP): pyproject.toml
@@ -48,6 +50,18 @@ COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype-float32,
 compare: $(STAMP)
 	$(VENV)/bin/bamba-harness compare --engine vendored --checkpoint fixtures/tiny-bamba --out out/compare \
 		--scenarios $(COMPARE_SCENARIOS)
+
+# The mutation suite (mutants/): each mutant applied to its own scratch copy of the tree, its test selection run
+# with -x; table, report.json and table.md in out/mutants; non-zero exit if any mutant survives or fails to apply.
+mutants: $(STAMP)
+	$(PY) -m mutants.run --jobs $(XDIST) --out out/mutants
+
+# The fast subset (ci = true in a mutant's file) that .ci/run uses to keep the machinery working.
+mutants-ci: $(STAMP)
+	$(PY) -m mutants.run --ci --jobs $(XDIST) --out out/mutants-ci
+
+mutants-gpu:
+	$(GPU_PY) -m mutants.run --gpu --jobs 1 --out out/mutants-gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
