@@ -9,7 +9,7 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare bench-kernels bench-decode clean
+.PHONY: help venv test test-all test-slow test-gpu compare bench-kernels bench-decode mutants mutants-ci mutants-gpu clean
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
@@ -19,6 +19,8 @@ help:
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
 	@echo "make bench-kernels  our kernels vs vLLM's and mamba_ssm's on a CUDA machine (table, JSON, PNG in out/bench-kernels)"
 	@echo "make bench-decode  decode tokens/s with and without CUDA graphs (GPU: python3 there; out/bench)"
+	@echo "make mutants   plant every CPU mutant (mutants/defs) in a scratch copy; its tests must catch it"
+	@echo "make mutants-gpu  the GPU-only mutants, on a CUDA machine with the python3 that is there"
 	@echo "make clean     remove .venv and caches"
 
 $(STAMP): pyproject.toml
@@ -60,6 +62,17 @@ compare: $(STAMP)
 # On the GPU image (nothing installed): the python3 there. JSON, markdown and PNG in out/bench.
 bench-decode:
 	$(GPU_PY) -m bench.decode --out out/bench
+# The mutation suite (mutants/): each mutant applied to its own scratch copy of the tree, its test selection run
+# with -x; table, report.json and table.md in out/mutants; non-zero exit if any mutant survives or fails to apply.
+mutants: $(STAMP)
+	$(PY) -m mutants.run --jobs $(XDIST) --out out/mutants
+
+# The fast subset (ci = true in a mutant's file) that .ci/run uses to keep the machinery working.
+mutants-ci: $(STAMP)
+	$(PY) -m mutants.run --ci --jobs $(XDIST) --out out/mutants-ci
+
+mutants-gpu:
+	$(GPU_PY) -m mutants.run --gpu --jobs 1 --out out/mutants-gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

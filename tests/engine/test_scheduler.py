@@ -78,6 +78,22 @@ def test_max_num_seqs_and_slots_bound_admission_and_slots_are_reused():
     assert torch.equal(sched.states.conv[0][third[0].seq.slot], torch.zeros(CFG.conv_dim, 3)), "slot not reset"
 
 
+def test_a_reused_slot_starts_with_zero_conv_and_ssm_state_in_every_layer():
+    sched = _scheduler(budget=100, slots=1)
+    sched.add(_seq(0, 2, new=1))
+    sched.add(_seq(1, 2, new=1))
+    first = sched.schedule()
+    slot = first[0].seq.slot
+    for pool in (*sched.states.conv.values(), *sched.states.ssm.values()):
+        pool[slot] = 5.0                                   # what the finishing request leaves behind
+    _advance(sched, first)
+    second = sched.schedule()
+    assert [p.seq.request_id for p in second] == ["r1"] and second[0].seq.slot == slot
+    for name, pools in (("conv", sched.states.conv), ("ssm", sched.states.ssm)):
+        for layer, pool in pools.items():
+            assert not pool[slot].any(), f"{name} state of layer {layer}: slot {slot} not reset on reuse"
+
+
 def test_preemption_frees_the_youngest_and_recomputes_it_later():
     sched = _scheduler(budget=100, blocks=3, block_size=4)    # 12 tokens of K/V for everyone
     sched.add(_seq(0, 4, new=6))

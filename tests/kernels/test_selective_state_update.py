@@ -115,6 +115,11 @@ def test_dt_limit_clamps_both_ends():
     run_and_check(LIVE_AND_PAD, inputs, dt_limit=limit)
 
 
+def test_16bit_input_with_fp32_state_pool():
+    # fp16 inputs (the interpreter runs fp16, not bf16), fp32 pool: the new state keeps fp32 precision in the pool.
+    run_and_check(LIVE_AND_PAD, make_inputs(len(LIVE_AND_PAD), n_groups=2, seed=9), dtype=torch.float16)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Slots and layouts
 # ---------------------------------------------------------------------------------------------------------------

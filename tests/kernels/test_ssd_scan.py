@@ -194,6 +194,12 @@ def test_chunk_sizes(chunk_size):
     check_against_twin(Case(lengths=(70, 150), chunk_size=chunk_size))
 
 
+def test_16bit_input_with_fp32_state_pool():
+    # fp16 x, B, C, z (the interpreter runs fp16, not bf16) with an fp32 pool: the final states must keep fp32
+    # precision, not be rounded to the input's dtype on the way into the pool.
+    check_against_twin(Case(lengths=PACKED["inside-chunks"]), torch.float16, torch.float32)
+
+
 def test_empty_sequence_stores_its_initial_state_or_zeros():
     # sequence 1 is empty with an initial state (stored back unchanged), sequence 2 empty without one (zeros)
     check_against_twin(Case(lengths=(5, 0, 0, 12), initial="mixed"))
