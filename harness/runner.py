@@ -17,7 +17,7 @@ import torch
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
 from .compare import ATOL, DEFAULT_K, Budget, Report, compare_runs
-from .engine import Engine, EngineOptions, Request, RequestResult, dtype_name, parse_dtype
+from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
 from .scenarios import PromptSource, Scenario
 
 # Full distributions are returned (for exact KL) while one request's rows stay below this many elements.
@@ -125,7 +125,12 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
                                              source=source, engine_args=engine_args, top_k=top_k)
     baseline = oracle.results(requests)
     budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
-    with engine_cls(oracle.checkpoint, dtype=dtype, device=device, options=options) as candidate:
+    try:
+        candidate = engine_cls(oracle.checkpoint, dtype=dtype, device=device, options=options)
+    except UnsupportedOptions as err:
+        # Some engines learn only when they load that they cannot honour an option (vLLM overriding a knob).
+        raise ScenarioSkipped(err.reasons) from err
+    with candidate:
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                               candidate=candidate.run(requests), budget=budget, rerun=candidate.run)
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device),
