@@ -87,6 +87,16 @@ def probe_vllm(python: Path) -> dict:
     return _probes[python]
 
 
+def vllm_limitations(cfg, options: EngineOptions) -> list[str]:
+    """Options vLLM refuses for this model (asserted at load time in vLLM 0.32): a skip with the reason, not a crash.
+    Also used for vLLM behind the server engine."""
+    tp, groups = options.tensor_parallel_size, cfg.mamba_n_groups
+    if groups % tp and groups != 1:
+        return [f"tensor_parallel_size = {tp} with mamba_n_groups = {groups}: vLLM's MambaMixer2 needs tp to divide "
+                "n_groups, or n_groups = 1"]
+    return []
+
+
 _converted: dict[tuple[Path, float], Path] = {}
 _conversion_root: Path | None = None
 
@@ -180,11 +190,9 @@ class VllmEngine(Engine):
         if not probe["found"]:
             raise WorkerError(f"{self.python}: vllm is not installed in this environment")
         self.vllm_version = probe["version"]
-        tp, groups = self.options.tensor_parallel_size, self.cfg.mamba_n_groups
-        if groups % tp and groups != 1:
-            # MambaMixer2 asserts this at load time (vLLM 0.32); a skip with the reason, not a crash.
-            raise UnsupportedOptions(self.name, [f"tensor_parallel_size = {tp} with mamba_n_groups = {groups}: vLLM's "
-                                                 "MambaMixer2 needs tp to divide n_groups, or n_groups = 1"])
+        limits = vllm_limitations(self.cfg, self.options)
+        if limits:
+            raise UnsupportedOptions(self.name, limits)
         if probe["bamba"]:
             self.model_path, self.architecture = self.checkpoint, "BambaForCausalLM"
         else:
