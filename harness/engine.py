@@ -212,6 +212,9 @@ class Engine(abc.ABC):
     # True for engines that take many seconds per scenario without a GPU (Triton interpreter): their pytest cases
     # are marked slow on machines without CUDA.
     slow_on_cpu: ClassVar[bool] = False
+    # True for engines that drive something outside this process (another virtualenv, a server): pytest runs their
+    # cases only when named with --engine, never as part of "every available engine".
+    opt_in: ClassVar[bool] = False
 
     def __init__(self, checkpoint: str | Path, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", options: EngineOptions | None = None) -> None:

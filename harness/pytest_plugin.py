@@ -35,13 +35,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def selected_engines(config: pytest.Config) -> list[str]:
-    """The engines named with --engine (unknown names are a usage error), else every available one."""
+    """The engines named with --engine (unknown names are a usage error), else every available one that is not
+    opt-in (Engine.opt_in: vllm and server run only when named)."""
     names = [n.strip() for value in config.getoption("--engine", default=None) or [] for n in value.split(",")]
     names = [n for n in names if n]
     unknown = [n for n in names if n not in engine_names()]
     if unknown:
         raise pytest.UsageError(f"--engine {unknown[0]!r}: expected one of {', '.join(engine_names())}")
-    return names or [name for name, problem in available_engines().items() if problem is None]
+    return names or [name for name, problem in available_engines().items()
+                     if problem is None and not get_engine(name).opt_in]
 
 
 def scenario_cases(engines: Iterable[str], model: ModelConfig, kinds: Iterable[str] | None = None) -> list:

@@ -15,6 +15,7 @@ _ADAPTERS: dict[str, tuple[str, str]] = {
     "transformers": ("harness.adapters.transformers", "TransformersEngine"),
     "vendored": ("harness.adapters.vendored", "VendoredEngine"),
     "vllm": ("harness.adapters.vllm", "VllmEngine"),
+    "server": ("harness.adapters.server", "ServerEngine"),
 }
 
 
