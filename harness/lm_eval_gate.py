@@ -145,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.tasks import TaskManager
 
     checkpoint = Path(args.checkpoint)
-    task_manager = TaskManager(include_path=args.include_path)
     tasks = [t for t in args.tasks.split(",") if t]
+    # lm-eval's own thousands of task files take a minute to index on a small CPU: only when a task is not local.
+    task_manager = TaskManager(include_path=args.include_path, include_defaults=False)
+    if not set(tasks) <= set(task_manager.all_tasks):
+        task_manager = TaskManager(include_path=args.include_path)
     candidates = [parse_model_args(c) for c in (args.candidate or ["engine=vendored,max_num_batched_tokens=17",
                                                                    "engine=transformers"])]
     oracle_args = parse_model_args(args.oracle)

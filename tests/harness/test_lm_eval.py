@@ -141,7 +141,7 @@ def test_generation_other_than_greedy_is_refused(oracle_lm, gen_kwargs, message)
 
 def test_loglikelihood_is_the_oracles_sum_and_greedy_flag(oracle_lm):
     model = BambaReference.from_pretrained(TINY)
-    context, continuation = "def main():\n", "    return"
+    context, continuation = "def main():", "\n    return"   # no trailing space: lm-eval would move it
     ctx, whole = oracle_lm.tok_encode(context), oracle_lm.tok_encode(context + continuation)
     n = len(whole) - len(ctx)
     logprobs = model.prompt_logprobs(whole)                               # (T-1,)
@@ -197,7 +197,8 @@ def test_tasks_agree_between_the_oracle_and_transformers(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     monkeypatch.chdir(tmp_path)                   # the tasks resolve their data files themselves
     assert not (Path(os.getcwd()) / "bamba_tiny_cloze").exists()
-    task_manager = TaskManager(include_path=str(TASKS_DIR))
+    task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    assert set(TASKS) <= set(task_manager.all_tasks)
     oracle = _samples({"engine": "reference", "gated_norm": "full"}, task_manager)
     candidate = _samples({"engine": "transformers"}, task_manager)
 
