@@ -54,7 +54,9 @@ compare: $(STAMP)
 # lm-eval accuracy runs: the bamba_tiny tasks (fixtures/tasks) through the fp64 oracle, the vendored engine at a
 # chunked-prefill budget and transformers; one table; fails when a candidate leaves the gate (fixtures/tasks/README.md).
 # One torch thread: the tiny model's ops are too small to split, and two threads on a busy 2-core machine ran ~10x slower.
-LM_EVAL_BUDGET ?= 17
+# 128 tokens per step: a step ends inside about one prompt in four (pieces continue in the next step); smaller budgets
+# split every prompt but cost more steps (~1.3 s each under the Triton interpreter). The planted-fault run used 17.
+LM_EVAL_BUDGET ?= 128
 lm-eval: $(STAMP)
 	OMP_NUM_THREADS=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 $(PY) -m harness.lm_eval_gate --out out/lm-eval \
 		--candidate engine=vendored,max_num_batched_tokens=$(LM_EVAL_BUDGET) --candidate engine=transformers

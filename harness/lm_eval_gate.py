@@ -2,7 +2,7 @@
 does not score what its oracle scores.
 
     python -m harness.lm_eval_gate [--checkpoint DIR] [--tasks bamba_tiny] [--include-path fixtures/tasks] \\
-        [--candidate engine=vendored,max_num_batched_tokens=17 ...] [--oracle engine=reference] [--limit N]
+        [--candidate engine=vendored,max_num_batched_tokens=128 ...] [--oracle engine=reference] [--limit N]
 
 The gate, per task and metric (fixtures/tasks/README.md says why):
 - accuracy (acc, acc_norm, exact_match, under any filter): the candidate's accuracy must lie inside the 95% Wilson
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-path", default=str(DEFAULT_TASKS_DIR), help="lm-eval --include_path")
     parser.add_argument("--oracle", default="engine=reference", help="model_args of the oracle")
     parser.add_argument("--candidate", action="append", default=None,
-                        help="model_args of a candidate, repeatable (default: vendored at budget 17, transformers)")
+                        help="model_args of a candidate, repeatable (default: vendored at budget 128, transformers)")
     parser.add_argument("--limit", type=float, default=None, help="lm-eval --limit (items per task)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=64, help="requests per engine call")
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     task_manager = TaskManager(include_path=args.include_path, include_defaults=False)
     if not set(tasks) <= set(task_manager.all_tasks):
         task_manager = TaskManager(include_path=args.include_path)
-    candidates = [parse_model_args(c) for c in (args.candidate or ["engine=vendored,max_num_batched_tokens=17",
+    candidates = [parse_model_args(c) for c in (args.candidate or ["engine=vendored,max_num_batched_tokens=128",
                                                                    "engine=transformers"])]
     oracle_args = parse_model_args(args.oracle)
     runs: dict[str, dict] = {}

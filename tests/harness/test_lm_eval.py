@@ -118,6 +118,13 @@ def test_lm_eval_argv_adds_the_model_device_and_batch_size_only_where_missing():
     assert lm_eval_argv(["ls", "tasks"]) == ["ls", "tasks"]
 
 
+def test_bamba_harness_lm_eval_is_lm_evals_command_line(capsys):
+    from harness.cli import main
+
+    assert main(["lm-eval", "run", "--help"]) == 0
+    assert "--model_args" in capsys.readouterr().out
+
+
 # ---- the model --------------------------------------------------------------------------------------------------
 def test_unknown_engine_argument_is_refused_by_name():
     with pytest.raises(UnsupportedOptions, match=r"engine_args \['nonsense'\]: unknown to reference"):
