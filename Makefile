@@ -9,11 +9,12 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare bench-kernels bench-decode mutants mutants-ci mutants-gpu \
-	vllm-venv test-vllm clean
+.PHONY: help venv test test-all test-slow test-gpu compare lm-eval bench-kernels bench-decode mutants mutants-ci \
+	mutants-gpu vllm-venv test-vllm clean
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on the bundled tiny model (table, JSON, PNG in out/compare)"
+	@echo "make lm-eval   lm-eval tasks on the oracle, the vendored engine and transformers; accuracy/perplexity gate"
 	@echo "make test      the CPU suite (not gpu, not slow), in parallel; creates .venv"
 	@echo "make test-slow the slow CPU tests (fuzz, preemption, the vendored engine's generic scenario matrix)"
 	@echo "make test-all  every CPU test, slow ones included"
@@ -30,7 +31,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: the CPU build on disk; anything unpinned would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[kernels,hf,test,plot]'
+	# the torch pin again, so that no extra's requirement can replace it
+	$(PY) -m pip install -q -e '.[kernels,hf,test,plot,eval]' torch==2.13.0
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -94,6 +96,16 @@ vllm-venv: $(VLLM_STAMP)
 # Every scenario vLLM can honour on the tiny model, fp32 on the CPU, against the fp64 oracle (tests/vllm).
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest --timeout=1800 --engine vllm tests/vllm
+
+# lm-eval accuracy runs: the bamba_tiny tasks (fixtures/tasks) through the fp64 oracle, the vendored engine at a
+# chunked-prefill budget and transformers; one table; fails when a candidate leaves the gate (fixtures/tasks/README.md).
+# One torch thread: the tiny model's ops are too small to split, and two threads on a busy 2-core machine ran ~10x slower.
+# 128 tokens per step: a step ends inside about one prompt in four (pieces continue in the next step); smaller budgets
+# split every prompt but cost more steps (~1.3 s each under the Triton interpreter). The planted-fault run used 17.
+LM_EVAL_BUDGET ?= 128
+lm-eval: $(STAMP)
+	OMP_NUM_THREADS=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 $(PY) -m harness.lm_eval_gate --out out/lm-eval \
+		--candidate engine=vendored,max_num_batched_tokens=$(LM_EVAL_BUDGET) --candidate engine=transformers
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -3,6 +3,10 @@
     bamba-harness compare --engine transformers --checkpoint DIR --scenarios chunked_prefill,batching \\
         --dtype bfloat16 --device cuda --out out/
     bamba-harness list [--checkpoint DIR]
+    bamba-harness lm-eval --model_args engine=vendored,checkpoint=DIR --tasks bamba_tiny --include_path fixtures/tasks
+
+`lm-eval ...` is lm-eval's own command line with the model `bamba-harness` (harness/lm_eval.py) registered and
+chosen unless --model says otherwise; everything after `lm-eval` goes to lm-eval as it is.
 
 `compare` prints a table (scenario, requests, max |Δ|, budget, mean KL, top-1 agreement, first divergence, verdict:
 PASS, FAIL, SKIP with the engine's reason, or ERROR where the engine raised), writes report.json and
@@ -47,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="the oracle's gated RMSNorm: per group (Bamba) or full width (transformers)")
     compare.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                          help="an adapter-specific option, repeatable")
+    sub.add_parser("lm-eval", add_help=False,
+                   help="lm-eval's command line with the bamba-harness model (arguments go to lm-eval as they are)")
     listing = sub.add_parser("list", help="engines (with availability) and the scenarios of a checkpoint")
     listing.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     return parser
@@ -201,6 +207,11 @@ def prepare_environment() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     prepare_environment()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:
+        from .lm_eval import run_lm_eval
+
+        return run_lm_eval(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return _compare(args) if args.command == "compare" else _list(args)
