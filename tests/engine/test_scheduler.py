@@ -108,3 +108,16 @@ def test_preemption_frees_the_youngest_and_recomputes_it_later():
         _advance(sched, sched.schedule())
     step = sched.schedule()
     assert [(p.seq.request_id, p.start, p.length) for p in step] == [("r1", 0, 5)]
+
+
+def test_token_span_and_token_at_read_prompt_then_output_at_every_boundary():
+    """The engine feeds a piece with token_span (no copy of the whole sequence: a 100K-token prompt in 8192-token
+    pieces copied it once per position before): every span and position equals the same slice of `tokens`."""
+    seq = _seq(0, 6)
+    seq.output_ids += [41, 42, 43]
+    whole = seq.tokens
+    assert seq.num_tokens == len(whole) == 9
+    assert [seq.token_at(p) for p in range(9)] == whole
+    for start in range(10):
+        for length in range(10 - start):
+            assert seq.token_span(start, length) == whole[start:start + length], (start, length)

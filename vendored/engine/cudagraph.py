@@ -122,7 +122,7 @@ class DecodeGraphRunner:
                 tables[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
                 kv_map[row] = blocks[pos // bs] * bs + pos % bs
         host = {
-            self.buffers.token_ids: [p.seq.tokens[p.start] for p in pieces] + [0] * pad,
+            self.buffers.token_ids: [p.seq.token_at(p.start) for p in pieces] + [0] * pad,
             self.buffers.positions: positions + [0] * pad,
             self.buffers.slots: [p.seq.slot for p in pieces] + [self.states.pad_slot] * pad,
             self.buffers.context_lens: [pos + 1 for pos in positions] + [0] * pad,

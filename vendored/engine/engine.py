@@ -169,7 +169,7 @@ class LLMEngine:
         for piece in pieces:
             seq, span = piece.seq, range(piece.start, piece.start + piece.length)
             base = len(tokens)
-            tokens += [seq.tokens[p] for p in span]
+            tokens += seq.token_span(piece.start, piece.length)
             positions += list(span)
             kv_map += [seq.blocks[p // bs] * bs + p % bs for p in span] if self.kv.enabled else []
             wanted = [i for i, p in enumerate(span) if self._wants_logits(seq, p)]
@@ -203,7 +203,7 @@ class LLMEngine:
         nxt = pos + 1
         if nxt < len(seq.prompt):
             return seq.prompt_logprobs[nxt - 1] is None
-        return nxt == len(seq.tokens) and len(seq.output_ids) < seq.max_new_tokens
+        return nxt == seq.num_tokens and len(seq.output_ids) < seq.max_new_tokens
 
     def _record(self, piece: Piece, logits: torch.Tensor) -> None:
         seq = piece.seq

@@ -39,12 +39,27 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt and output as one new list: O(length), so per-position code uses num_tokens and token_at."""
         return self.prompt + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output_ids)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[position] if position < n else self.output_ids[position - n]
+
+    def token_span(self, start: int, length: int) -> list[int]:
+        """Tokens [start, start + length) without copying the whole sequence (a 100K-token prompt fed in pieces)."""
+        n = len(self.prompt)
+        return (self.prompt[start:min(start + length, n)]
+                + self.output_ids[max(start - n, 0):max(start + length - n, 0)])
 
     @property
     def is_decoding(self) -> bool:
         """Prompt fully computed and exactly one token (the last generated) not yet fed."""
-        return self.num_computed >= len(self.prompt) and len(self.tokens) - self.num_computed == 1
+        return self.num_computed >= len(self.prompt) and self.num_tokens - self.num_computed == 1
 
     @property
     def finished(self) -> bool:
@@ -113,13 +128,13 @@ class Scheduler:
                 break
             if seq not in self.running or seq.is_decoding:
                 continue
-            n = min(left, len(seq.tokens) - seq.num_computed)
+            n = min(left, seq.num_tokens - seq.num_computed)
             if n > 0 and self._grow_blocks(seq, n):
                 prefills.append(Piece(seq, seq.num_computed, n, False))
                 left -= n
         while self.waiting and left > 0 and self.states.num_free and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(left, len(seq.tokens))
+            n = min(left, seq.num_tokens)
             if self.kv.blocks_for(n) > self.kv.num_free:
                 break                                               # wait for running sequences to free blocks
             self.waiting.popleft()
