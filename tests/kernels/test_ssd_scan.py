@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from reference.ops import discretize_dt, group_of_head, ssd_scan_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
-from vendored.ops.ssd_scan import ssd_scan
+from vendored.ops.ssd_scan import _bf16x3, ssd_scan
 
 K = 2.0
 # atol: the floor of the bound where ref_low happens to land on ref64. The kernel sums in another order than the
@@ -326,3 +328,60 @@ def test_long_input_offsets_past_int32():
     x_v, dt_v, B_v, C_v, kwargs["z"] = projection_views(x, dt, B, C, kwargs["z"], row=row)
     del x, dt, B, C
     check_call(case, (x_v, dt_v, A, B_v, C_v), kwargs, pool, twin=ssd_scan_chunked_torch)
+
+
+def logical_chunks_torch(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: int):
+    """_logical_chunks' meaning in plain torch: chunk c of the NC = T // Q + B slots belongs to sequence b when
+    first_b <= c < first_b + ceil(L_b / Q); slots past the real count have start 0 and length 0."""
+    cu = cu_seqlens.long().cpu()
+    n_seqs = cu.numel() - 1
+    counts = [(int(cu[b + 1] - cu[b]) + chunk_size - 1) // chunk_size for b in range(n_seqs)]
+    firsts = [sum(counts[:b]) for b in range(n_seqs + 1)]
+    start, length = [0] * (n_tokens // chunk_size + n_seqs), [0] * (n_tokens // chunk_size + n_seqs)
+    for b in range(n_seqs):
+        for i in range(counts[b]):
+            start[firsts[b] + i] = int(cu[b]) + i * chunk_size
+            length[firsts[b] + i] = min(chunk_size, int(cu[b + 1]) - start[firsts[b] + i])
+    return start, length, firsts
+
+
+@pytest.mark.parametrize("lengths, chunk_size", [
+    ((5,), 16), ((16,), 16), ((17, 0, 33), 16), ((0, 0), 16), ((1,) * 70, 16), ((3, 100, 0, 256, 257), 256),
+    (tuple(range(130)), 16),
+])
+def test_logical_chunks_match_their_definition(lengths, chunk_size):
+    """Stage 0 (one kernel) against the definition, every slot: empty sequences own no chunk, more sequences than one
+    block of the kernel (70 and 130) carry the running count across blocks."""
+    from vendored.ops.ssd_scan import _logical_chunks
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    chunk_start, chunk_len, seq_chunks = _logical_chunks(cu, chunk_size, sum(lengths))
+    start, length, firsts = logical_chunks_torch(cu, chunk_size, sum(lengths))
+    assert chunk_start.tolist() == start
+    assert chunk_len.tolist() == length
+    assert seq_chunks.tolist() == firsts
+
+
+@triton.jit
+def _split_kernel(v_ptr, bits_ptr, N: tl.constexpr):
+    """The three bf16 pieces of each v, stored as their bits."""
+    offs = tl.arange(0, N)
+    hi, mid, lo = _bf16x3(tl.load(v_ptr + offs))
+    tl.store(bits_ptr + offs, hi.to(tl.int16, bitcast=True))
+    tl.store(bits_ptr + N + offs, mid.to(tl.int16, bitcast=True))
+    tl.store(bits_ptr + 2 * N + offs, lo.to(tl.int16, bitcast=True))
+
+
+def test_bf16x3_pieces_sum_exactly_to_the_fp32_input():
+    """The split behind every tensor-core product of an fp32 operand (GPU only, so checked here on its own): the
+    three bf16 pieces of v sum to v exactly, across exponents, signs, zero and the largest float; a subnormal v to
+    within bf16's spacing there (2^-133), as no sum of bf16 values can hold an fp32 subnormal's low bits."""
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, -3e-39, 3.4e38, -3.4e38, 1 + 2**-23, 1 - 2**-24])
+    v = torch.cat([special, torch.randn(1014, generator=gen) * torch.exp(20 * torch.randn(1014, generator=gen))])
+    v = v.float().to(DEVICE)
+    bits = torch.empty(3 * v.numel(), dtype=torch.int16, device=DEVICE)
+    _split_kernel[(1,)](v, bits, N=v.numel())
+    total = bits.view(torch.bfloat16).view(3, -1).double().sum(0).cpu()
+    allowed = torch.where(v.abs().cpu() < 2**-126, 2.0**-133, 0.0)
+    wrong = ((total - v.double().cpu()).abs() > allowed).nonzero().flatten()
+    assert wrong.numel() == 0, f"{wrong.numel()} values not split exactly, e.g. {v[wrong[0]].item()!r}"

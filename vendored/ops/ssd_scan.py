@@ -8,27 +8,34 @@ g = h // (H/G)) and token t of a sequence:
 The chunked (state-space dual) algorithm computes the same thing in blocks of Q tokens. Here the blocks are
 *logical chunks*: every sequence is cut into pieces of at most Q tokens counted from its own first token, so no
 chunk ever holds two sequences, every cumulative decay starts at the sequence's start by construction, and a
-sequence boundary may fall anywhere in the packed token axis. Four stages, one kernel each:
+sequence boundary may fall anywhere in the packed token axis. Six kernels:
 
-  1. chunk cumsum   Δ, and cs_t = Σ_{s≤t} Δ_s·A_h within the chunk.
+  0. logical chunks Each chunk's first token and length, and each sequence's first chunk (one launch: the host
+                    never reads cu_seqlens back, so it never waits for the device).
+  1. chunk cumsum   Δ, cs_t = Σ_{s≤t} Δ_s·A_h within the chunk, and the decay across the chunk exp(cs_last).
   2. chunk state    The chunk's own final state from zero: Σ_t exp(cs_last - cs_t)·Δ_t·x_t ⊗ B_t.
   3. state passing  Per sequence, walk its chunks in order from its initial state (or zeros); keep the state entering
                     each chunk, S_in; write the final state to the sequence's slot.
+  C·Bᵀ              Per chunk and group (not per head: every head of a group shares it), tiles on the diagonal and
+                    below, for stage 4.
   4. chunk scan     y_t = exp(cs_t)·C_t·S_in + Σ_{s≤t} exp(cs_t - cs_s)·(C_t·B_s)·Δ_s·x_s + D·x_t,
                     then ·silu(z_t).
-Grids: (NC/BLOCK_C, H/BLOCK_H); (NC/BLOCK_C, H/BLOCK_H, P/BLOCK_P · N/BLOCK_N); (B, H/BLOCK_H, P/BLOCK_P · N/BLOCK_N);
-(NC/BLOCK_C · Q/BLOCK_M, H/BLOCK_H, P/BLOCK_P), with NC = T // Q + B, a bound on the number of logical chunks known
-without reading cu_seqlens back, so the host never waits for the device. On the GPU, BLOCK_C = 1 and, past stage 1,
-BLOCK_H = 1; the Triton interpreter (CPU) takes several chunks and heads per program, as a leading batch dimension
-of every tile, because there each program costs a fixed time whatever its size.
+Grids (NC = T // Q + B, a bound on the number of logical chunks known without reading cu_seqlens back): stage 0
+NC/256; stage 1 (NC/BLOCK_C, H/BLOCK_H); stage 2 (H/BLOCK_H, NC/BLOCK_C, P/BLOCK_P · N/BLOCK_N); stage 3
+(B, H/BLOCK_H, P/BLOCK_P · N/BLOCK_N); C·Bᵀ (G/BLOCK_H, NC/BLOCK_C · (Q/BLOCK_M)²); stage 4
+(H/BLOCK_H, NC/BLOCK_C · Q/BLOCK_M, P/BLOCK_P). Heads vary fastest, so programs that run together share a
+chunk's B, C and C·Bᵀ in L2. On the GPU, BLOCK_C = 1 and, past stage 1, BLOCK_H = 1, and every product is a 2-D
+tile (_bdot), which Triton maps onto Hopper's wgmma; the Triton interpreter (CPU) takes several chunks and heads per
+program, as a leading batch dimension of every tile, because there each program costs a fixed time whatever its
+size.
 
 Every product and sum is as accurate as fp32 whatever the input dtype (x, B, C, z: fp32, bf16 or fp16; dt any
 float), so the only rounding to a 16-bit type is the final store of y and, for a bf16 state pool, of the final states.
 fp32 operands take tl.dot with input_precision="ieee" (fp32 FMAs, no TF32). On the GPU, 16-bit inputs take the
 tensor cores without losing that accuracy: C·Bᵀ of two 16-bit inputs directly (a product of two 16-bit floats is
 exact in fp32, and the sums run in fp32); a product of an fp32 matrix (x scaled by decays and Δ, C·Bᵀ∘L·Δ, the chunk
-states) with a bf16 input as three bf16 products, the fp32 matrix split into bf16 pieces hi + mid + lo that carry
-all 24 of its significant bits (_bf16x3): three times the tensor-core work, a fraction of the time of fp32 FMAs.
+states) with a bf16 input as three bf16 products, the fp32 matrix split into bf16 pieces hi + mid + lo whose sum is
+exactly it (_bf16x3, by bit operations): three times the tensor-core work, a fraction of the time of fp32 FMAs.
 (fp16 inputs keep the FMAs there: fp16's exponent range cannot hold the small pieces.) One sum runs in fp64: the
 cumulative Δ·A. Over a 256-token chunk it reaches hundreds, and in fp32 each difference cs_t - cs_s (the exponent of
 every decay) would carry an absolute error of ~|cs|·2^-24, some 10x the error of the sequential product of decays;
@@ -45,7 +52,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -70,43 +76,67 @@ def _state_tile(pid, d_state, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _bf16x3(v):
-    """An fp32 tensor as three bf16 tensors whose exact sum is v to within 2^-26·|v| (8 significant bits each)."""
-    hi = v.to(tl.bfloat16)
-    rest = v - hi.to(tl.float32)                                    # exact: hi is v's nearest bf16
-    mid = rest.to(tl.bfloat16)
-    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+def _bf16_head(v):
+    """The leading 8 significant bits of fp32 v, as an fp32 (v with its low 16 bits cleared) and as a bf16 (v's high
+    16 bits), by bit operations alone: on the GPU a float conversion runs at a quarter of the rate of these."""
+    bits = v.to(tl.int32, bitcast=True)
+    return (bits & -65536).to(tl.float32, bitcast=True), (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _dot_f32_bf16(a, b, B_IS_BF16: tl.constexpr):
-    """a @ b for fp32 a, with fp32 accuracy. B_IS_BF16: b is bf16, a runs as its three bf16 pieces on the tensor
-    cores (each product of two bf16 is exact in fp32, accumulated in fp32), small pieces first; else fp32 FMAs."""
-    if B_IS_BF16:
+def _bf16x3(v):
+    """An fp32 tensor as three bf16 tensors whose sum is exactly v (finite, normal v; a subnormal v to within bf16's
+    spacing there, 2^-133): each piece is the leading 8 significant bits of what the pieces before it leave, so every
+    remainder is exact and 3 · 8 bits cover v's 24."""
+    hi_f, hi = _bf16_head(v)
+    rest = v - hi_f                                                  # exact: the low 16 bits of v
+    mid_f, mid = _bf16_head(rest)
+    _, lo = _bf16_head(rest - mid_f)                                 # at most 8 significant bits are left
+    return hi, mid, lo
+
+
+# How _dot keeps fp32 accuracy (a host-side choice per product, see ssd_scan()):
+#   0: two 16-bit operands, straight on the tensor cores (a product of two 16-bit floats is exact in fp32);
+#   1: an fp32 left operand against a bf16 right one, the left as its three bf16 pieces;
+#   2: a bf16 left operand against an fp32 right one, the right split;
+#   3: fp32 FMAs (fp32 or fp16 operands, and every product under the interpreter).
+@triton.jit
+def _dot(a, b, HOW: tl.constexpr):
+    """a @ b in fp32 for 2-D or 3-D (batched) a, b, as accurate as fp32 whatever the operands (HOW above). The
+    split pieces run small first, so the large one adds last."""
+    if HOW == 0:
+        return tl.dot(a, b)
+    elif HOW == 1:
         a_hi, a_mid, a_lo = _bf16x3(a)
         return tl.dot(a_hi, b, tl.dot(a_mid, b, tl.dot(a_lo, b)))
-    return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+    elif HOW == 2:
+        b_hi, b_mid, b_lo = _bf16x3(b)
+        return tl.dot(a, b_hi, tl.dot(a, b_mid, tl.dot(a, b_lo)))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
-def _dot_bf16_f32(a, b, A_IS_BF16: tl.constexpr):
-    """a @ b for fp32 b, with fp32 accuracy: _dot_f32_bf16 with the operands' roles swapped."""
-    if A_IS_BF16:
-        b_hi, b_mid, b_lo = _bf16x3(b)
-        return tl.dot(a, b_hi, tl.dot(a, b_mid, tl.dot(a, b_lo)))
-    return tl.dot(a.to(tl.float32), b, input_precision="ieee")
+def _bdot(a, b, HOW: tl.constexpr):
+    """_dot of (S, M, K) and (S, K, N) tiles: one product per batch entry. A batch of one (the GPU path) runs as a
+    2-D product, because Triton lowers a 3-D tl.dot to mma.sync and only a 2-D one to Hopper's wgmma."""
+    if a.shape[0] == 1:
+        r = _dot(tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2])), HOW)
+        return tl.reshape(r, (1, r.shape[0], r.shape[1]))
+    return _dot(a, b, HOW)
 
 
 @triton.jit
 def _ssd_chunk_cumsum_fwd_kernel(
-    dt_ptr, A_ptr, dt_bias_ptr, delta_ptr, dA_cumsum_ptr, chunk_start_ptr, chunk_len_ptr,
+    dt_ptr, A_ptr, dt_bias_ptr, delta_ptr, dA_cumsum_ptr, chunk_decay_ptr, chunk_start_ptr, chunk_len_ptr,
     n_chunks, n_heads, dt_min, dt_max,
     stride_dt_t, stride_dt_h,
-    stride_cs_c, stride_cs_h,
+    stride_cs_c, stride_cs_h, stride_dc_c,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Stage 1: Δ (zero past the chunk's end) and the in-chunk cumulative sum of Δ·A, BLOCK_C chunks, BLOCK_H heads."""
+    """Stage 1: Δ (zero past the chunk's end), the in-chunk cumulative sum of Δ·A and the decay across the chunk, for
+    BLOCK_C chunks and BLOCK_H heads."""
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)                          # (BLOCK_C,)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                          # (BLOCK_H,)
     offs_t = tl.arange(0, BLOCK_Q)                                                        # (BLOCK_Q,)
@@ -135,6 +165,11 @@ def _ssd_chunk_cumsum_fwd_kernel(
     mask_ch = mask_c[:, None, None] & mask_h[None, None, :]
     tl.store(delta_ptr + offs, delta, mask=mask_ch)
     tl.store(dA_cumsum_ptr + offs, dA_cumsum, mask=mask_ch)
+    # the decay across the whole chunk, exp(cs at its last token): stage 3 then reads one number per chunk and head
+    # that no other load depends on, instead of a length and then the cumsum at that length
+    last = tl.sum(tl.where(offs_t[None, :, None] == length[:, None, None] - 1, dA_cumsum, 0.0), axis=1)
+    tl.store(chunk_decay_ptr + offs_c.to(tl.int64)[:, None] * stride_dc_c + offs_h[None, :],
+             tl.exp(last.to(tl.float32)), mask=mask_c[:, None] & mask_h[None, :])     # (BLOCK_C, BLOCK_H)
 
 
 @triton.jit
@@ -159,13 +194,14 @@ def _ssd_chunk_state_fwd_kernel(
     stride_B_t, stride_B_g, stride_B_n,
     stride_cs_c, stride_cs_h,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    B_IS_BF16: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    HOW_XB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Stage 2: each chunk's own final state from a zero start, a (BLOCK_P, BLOCK_N) tile of it, for BLOCK_C chunks
-    × BLOCK_H heads: one batch entry S of the (batched) products per (chunk, head) pair."""
+    × BLOCK_H heads: one batch entry S of the (batched) products per (chunk, head) pair. Heads vary fastest across
+    programs, so the programs running together read the same chunk of B."""
     chunk, head, mask_s, start, length = _chunk_head_pairs(
-        tl.program_id(0), tl.program_id(1), n_chunks, n_heads, chunk_start_ptr, chunk_len_ptr, BLOCK_C, BLOCK_H)
+        tl.program_id(1), tl.program_id(0), n_chunks, n_heads, chunk_start_ptr, chunk_len_ptr, BLOCK_C, BLOCK_H)
     offs_p, offs_n = _state_tile(tl.program_id(2), d_state, BLOCK_P, BLOCK_N)
     mask_p = offs_p < head_dim
     mask_n = offs_n < d_state
@@ -187,7 +223,7 @@ def _ssd_chunk_state_fwd_kernel(
         dA = tl.load(dA_cumsum_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)   # (S, BLOCK_K)
         delta = tl.load(delta_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)
         scale = tl.where(mask_k, tl.exp((dA_last[:, None] - dA).to(tl.float32)) * delta, 0.0)   # decay to the end, ·Δ
-        acc += _dot_f32_bf16(x * scale[:, None, :], b, B_IS_BF16)
+        acc += _bdot(x * scale[:, None, :], b, HOW_XB)
 
     offs = (chunk.to(tl.int64)[:, None, None] * stride_st_c + head[:, None, None] * stride_st_h
             + offs_p[None, :, None] * stride_st_p + offs_n[None, None, :] * stride_st_n)
@@ -196,10 +232,10 @@ def _ssd_chunk_state_fwd_kernel(
 
 @triton.jit
 def _ssd_state_passing_fwd_kernel(
-    states_ptr, dA_cumsum_ptr, chunk_len_ptr, seq_chunks_ptr,
+    states_ptr, chunk_decay_ptr, seq_chunks_ptr,
     ssm_states_ptr, state_indices_ptr, has_initial_state_ptr,
     n_heads, head_dim, d_state,
-    stride_cs_c, stride_cs_h,
+    stride_dc_c,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_pool_s, stride_pool_h, stride_pool_p, stride_pool_n,
     BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BY_BITS: tl.constexpr,
@@ -225,37 +261,84 @@ def _ssd_state_passing_fwd_kernel(
 
     first_chunk = tl.load(seq_chunks_ptr + pid_b).to(tl.int64)
     n_chunks = tl.load(seq_chunks_ptr + pid_b + 1) - tl.load(seq_chunks_ptr + pid_b)
+    # each step loads the next chunk's state and decay before it stores and updates (one step of prefetch: the loop
+    # is a chain, and those loads are the only ones that do not depend on it)
+    offs = first_chunk * stride_st_c + offs_h[:, None, None] * stride_st_h + tile_offs
+    own = tl.load(states_ptr + offs, mask=mask & (n_chunks > 0), other=0.0)
+    decay = tl.load(chunk_decay_ptr + first_chunk * stride_dc_c + offs_h, mask=mask_h & (n_chunks > 0), other=0.0)
     for i in range(0, n_chunks):
         c = first_chunk + i                                                               # int64
-        offs = c * stride_st_c + offs_h[:, None, None] * stride_st_h + tile_offs
-        own = tl.load(states_ptr + offs, mask=mask, other=0.0)
+        has_next = i + 1 < n_chunks
+        own_next = tl.load(states_ptr + offs + stride_st_c, mask=mask & has_next, other=0.0)
+        decay_next = tl.load(chunk_decay_ptr + (c + 1) * stride_dc_c + offs_h, mask=mask_h & has_next, other=0.0)
         tl.store(states_ptr + offs, state, mask=mask)
-        length = tl.load(chunk_len_ptr + c)
-        dA_last = tl.load(dA_cumsum_ptr + c * stride_cs_c + offs_h * stride_cs_h + length - 1, mask=mask_h, other=0.0)
-        state = tl.exp(dA_last.to(tl.float32))[:, None, None] * state + own
+        state = decay[:, None, None] * state + own
+        own, decay, offs = own_next, decay_next, offs + stride_st_c
     tl.store(ssm_states_ptr + pool_offs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=mask)
 
 
 @triton.jit
+def _ssd_bmm_chunk_fwd_kernel(
+    B_ptr, C_ptr, CB_ptr, chunk_start_ptr, chunk_len_ptr,
+    n_chunks, n_groups, d_state,
+    stride_B_t, stride_B_g, stride_B_n,
+    stride_C_t, stride_C_g, stride_C_n,
+    stride_cb_c, stride_cb_g, stride_cb_m,
+    HOW_CB: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Stage 4's C·Bᵀ, once per chunk and group (not once per head): tile (i, j) of (BLOCK_M, BLOCK_M) of the
+    chunk's (Q, Q) matrix, for BLOCK_C chunks × BLOCK_G groups. Only tiles on and below the diagonal (j <= i) are
+    written, the ones stage 4 reads; rows and columns past the chunk's end are zero."""
+    tile = tl.program_id(1) % (M_BLOCKS * M_BLOCKS)
+    i, j = tile // M_BLOCKS, tile % M_BLOCKS
+    chunk, group, mask_s, start, length = _chunk_head_pairs(
+        tl.program_id(1) // (M_BLOCKS * M_BLOCKS), tl.program_id(0), n_chunks, n_groups, chunk_start_ptr,
+        chunk_len_ptr, BLOCK_C, BLOCK_G)
+    offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m[None, :] < length[:, None]                                           # (S, BLOCK_M)
+    mask_k = offs_k[None, :] < length[:, None]
+    tok_m = start[:, None] + offs_m[None, :]                                              # (S, BLOCK_M) int64
+    tok_k = start[:, None] + offs_k[None, :]
+    acc = tl.zeros((BLOCK_C * BLOCK_G, BLOCK_M, BLOCK_M), dtype=tl.float32)
+    for n0 in range(0, tl.where(j <= i, d_state, 0), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < d_state
+        c = tl.load(C_ptr + tok_m[:, :, None] * stride_C_t + group[:, None, None] * stride_C_g
+                    + offs_n[None, None, :] * stride_C_n,
+                    mask=mask_m[:, :, None] & mask_n[None, None, :], other=0.0)                  # (S, M, N)
+        b = tl.load(B_ptr + tok_k[:, None, :] * stride_B_t + group[:, None, None] * stride_B_g
+                    + offs_n[None, :, None] * stride_B_n,
+                    mask=mask_n[None, :, None] & mask_k[:, None, :], other=0.0)                  # (S, N, K)
+        acc += _bdot(c, b, HOW_CB)
+    offs = (chunk.to(tl.int64)[:, None, None] * stride_cb_c + group[:, None, None] * stride_cb_g
+            + offs_m[None, :, None] * stride_cb_m + offs_k[None, None, :])
+    tl.store(CB_ptr + offs, acc, mask=mask_s[:, None, None] & (j <= i))
+
+
+@triton.jit
 def _ssd_chunk_scan_fwd_kernel(
-    x_ptr, z_ptr, B_ptr, C_ptr, D_ptr, delta_ptr, dA_cumsum_ptr, states_ptr, y_ptr, chunk_start_ptr, chunk_len_ptr,
+    x_ptr, z_ptr, C_ptr, CB_ptr, D_ptr, delta_ptr, dA_cumsum_ptr, states_ptr, y_ptr,
+    chunk_start_ptr, chunk_len_ptr,
     n_chunks, n_heads, head_dim, d_state, heads_per_group,
     stride_x_t, stride_x_h, stride_x_p,
     stride_z_t, stride_z_h, stride_z_p,
-    stride_B_t, stride_B_g, stride_B_n,
     stride_C_t, stride_C_g, stride_C_n,
+    stride_cb_c, stride_cb_g, stride_cb_m,
     stride_cs_c, stride_cs_h,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_y_t, stride_y_h, stride_y_p,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, C_IS_BF16: tl.constexpr, X_IS_BF16: tl.constexpr,
-    CB_16BIT: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HOW_CS: tl.constexpr, HOW_X: tl.constexpr,
+    M_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Stage 4: a (BLOCK_M, BLOCK_P) tile of y for rows of one chunk and one head, for BLOCK_C chunks × BLOCK_H heads:
-    one batch entry S of the (batched) products per (chunk, head) pair."""
-    pid_m = tl.program_id(0) % M_BLOCKS
+    one batch entry S of the (batched) products per (chunk, head) pair. Heads vary fastest across programs, so the
+    programs running together read the same tiles of C·Bᵀ and C."""
+    pid_m = tl.program_id(1) % M_BLOCKS
     chunk, head, mask_s, start, length = _chunk_head_pairs(
-        tl.program_id(0) // M_BLOCKS, tl.program_id(1), n_chunks, n_heads, chunk_start_ptr, chunk_len_ptr,
+        tl.program_id(1) // M_BLOCKS, tl.program_id(0), n_chunks, n_heads, chunk_start_ptr, chunk_len_ptr,
         BLOCK_C, BLOCK_H)
     group = head // heads_per_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -279,28 +362,17 @@ def _ssd_chunk_scan_fwd_kernel(
                     + offs_p[None, None, :] * stride_st_p,
                     mask=mask_s[:, None, None] & mask_n[None, :, None] & mask_p[None, None, :],
                     other=0.0)                                                            # (S, BLOCK_N, BLOCK_P)
-        acc += _dot_bf16_f32(c, s, C_IS_BF16)
+        acc += _bdot(c, s, HOW_CS)
     acc *= tl.exp(dA_m.to(tl.float32))[:, :, None]
 
     # inside the chunk: (C Bᵀ ∘ L)·(Δx) with L[m, k] = exp(cs_m - cs_k) for k ≤ m; columns up to the tile's last row
+    cb_base = chunk.to(tl.int64) * stride_cb_c + group * stride_cb_g                       # (S,)
     for k0 in range(0, tl.minimum(tl.max(length, axis=0), (pid_m + 1) * BLOCK_M), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k[None, :] < length[:, None]                                       # (S, BLOCK_K)
         tok_k = start[:, None] + offs_k[None, :]                                          # (S, BLOCK_K) int64
-        cb = tl.zeros((BLOCK_C * BLOCK_H, BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for n0 in range(0, d_state, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < d_state
-            c = tl.load(C_ptr + tok_m[:, :, None] * stride_C_t + group[:, None, None] * stride_C_g
-                        + offs_n[None, None, :] * stride_C_n,
-                        mask=mask_m[:, :, None] & mask_n[None, None, :], other=0.0)                 # (S, M, N)
-            b = tl.load(B_ptr + tok_k[:, None, :] * stride_B_t + group[:, None, None] * stride_B_g
-                        + offs_n[None, :, None] * stride_B_n,
-                        mask=mask_n[None, :, None] & mask_k[:, None, :], other=0.0)                 # (S, N, K)
-            if CB_16BIT:    # products of two 16-bit floats are exact in fp32: the tensor cores lose nothing
-                cb = tl.dot(c, b, cb)
-            else:
-                cb += tl.dot(c.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        cb = tl.load(CB_ptr + cb_base[:, None, None] + offs_m[None, :, None] * stride_cb_m + offs_k[None, None, :],
+                     mask=mask_s[:, None, None], other=0.0)                               # (S, BLOCK_M, BLOCK_K)
         dA_k = tl.load(dA_cumsum_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)   # (S, BLOCK_K)
         delta_k = tl.load(delta_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)
         causal = (offs_m[:, None] >= offs_k[None, :])[None, :, :] & mask_k[:, None, :]   # (S, BLOCK_M, BLOCK_K)
@@ -308,7 +380,7 @@ def _ssd_chunk_scan_fwd_kernel(
         x_k = tl.load(x_ptr + tok_k[:, :, None] * stride_x_t + head[:, None, None] * stride_x_h
                       + offs_p[None, None, :] * stride_x_p,
                       mask=mask_k[:, :, None] & mask_p[None, None, :], other=0.0)                  # (S, K, P)
-        acc += _dot_f32_bf16(cb * decay * delta_k[:, None, :], x_k, X_IS_BF16)
+        acc += _bdot(cb * decay * delta_k[:, None, :], x_k, HOW_X)
 
     mask = mask_m[:, :, None] & mask_p[None, None, :]                                     # (S, BLOCK_M, BLOCK_P)
     if HAS_D:
@@ -323,56 +395,110 @@ def _ssd_chunk_scan_fwd_kernel(
              + offs_p[None, None, :] * stride_y_p, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _logical_chunks_kernel(
+    cu_seqlens_ptr, chunk_start_ptr, chunk_len_ptr, seq_chunks_ptr, n_seqs, n_chunks, chunk_size,
+    BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Stage 0, for BLOCK_C chunks: which sequence each belongs to, its first token and its length. Sequence b owns
+    chunks [first_b, first_b + ceil(L_b / Q)), first_b the running sum of the counts before it; every program walks
+    all sequences (BLOCK_B at a time), and program 0 also writes the running sums as seq_chunks (B+1,)."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)                          # (BLOCK_C,)
+    start = tl.zeros((BLOCK_C,), dtype=tl.int64)
+    end = tl.zeros((BLOCK_C,), dtype=tl.int64)
+    owned = tl.zeros((BLOCK_C,), dtype=tl.int1)
+    total = tl.zeros((), dtype=tl.int64)                       # chunks of the sequences before this block of them
+    for b0 in range(0, n_seqs, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        mask_b = offs_b < n_seqs
+        seq_start = tl.load(cu_seqlens_ptr + offs_b, mask=mask_b, other=0).to(tl.int64)
+        seq_end = tl.load(cu_seqlens_ptr + offs_b + 1, mask=mask_b, other=0).to(tl.int64)
+        count = tl.where(mask_b, (seq_end - seq_start + chunk_size - 1) // chunk_size, 0)   # (BLOCK_B,)
+        last = total + tl.cumsum(count, axis=0)                # one past each sequence's last chunk
+        first = last - count
+        if tl.program_id(0) == 0:
+            tl.store(seq_chunks_ptr + offs_b, first.to(tl.int32), mask=mask_b)
+        hit = (offs_c[:, None] >= first[None, :]) & (offs_c[:, None] < last[None, :])      # (BLOCK_C, BLOCK_B)
+        start += tl.sum(tl.where(hit, seq_start[None, :] + (offs_c[:, None] - first[None, :]) * chunk_size, 0),
+                        axis=1)
+        end += tl.sum(tl.where(hit, seq_end[None, :], 0), axis=1)
+        owned |= tl.max(hit.to(tl.int32), axis=1) > 0
+        total += tl.sum(count, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(seq_chunks_ptr + n_seqs, total.to(tl.int32))
+    mask_c = offs_c < n_chunks
+    tl.store(chunk_start_ptr + offs_c, start.to(tl.int32), mask=mask_c)
+    tl.store(chunk_len_ptr + offs_c, tl.where(owned, tl.minimum(end - start, chunk_size), 0).to(tl.int32),
+             mask=mask_c)
+
+
 def _logical_chunks(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: int):
     """Cut every sequence into chunks of at most Q tokens counted from its own first token.
 
     cu_seqlens (B+1,). Returns chunk_start (NC,), chunk_len (NC,) and seq_chunks (B+1,), int32 on cu_seqlens' device:
     sequence b owns chunks seq_chunks[b]:seq_chunks[b+1]. The real count Σ_b ceil(L_b / Q) is at most
     NC = T // Q + B, which is known without reading cu_seqlens back to the host (no device sync): chunks past the
-    real count get length 0 and every stage skips them.
+    real count get length 0 (and start 0) and every stage skips them. One kernel launch: at a chunked-prefill
+    budget of 2K tokens the scan's own work is a few tens of microseconds, as much as a dozen small torch ops cost
+    the host.
     """
-    cu = cu_seqlens.to(torch.int64)
-    n_seqs = cu.numel() - 1
-    lengths = cu[1:] - cu[:-1]                                                            # (B,)
-    seq_chunks = F.pad(torch.cumsum((lengths + chunk_size - 1) // chunk_size, 0), (1, 0))  # (B+1,)
-    chunk = torch.arange(n_tokens // chunk_size + n_seqs, device=cu.device)              # (NC,)
-    seq = torch.searchsorted(seq_chunks[1:], chunk, right=True).clamp(max=n_seqs - 1)    # (NC,)
-    chunk_start = cu[seq] + (chunk - seq_chunks[seq]) * chunk_size
-    chunk_len = (cu[seq + 1] - chunk_start).clamp(0, chunk_size)
-    chunk_len = torch.where(chunk < seq_chunks[-1], chunk_len, 0)
-    return chunk_start.to(torch.int32), chunk_len.to(torch.int32), seq_chunks.to(torch.int32)
+    n_seqs = cu_seqlens.numel() - 1
+    n_chunks = n_tokens // chunk_size + n_seqs
+    i32 = dict(dtype=torch.int32, device=cu_seqlens.device)
+    chunk_start, chunk_len, seq_chunks = torch.empty(n_chunks, **i32), torch.empty(n_chunks, **i32), \
+        torch.empty(n_seqs + 1, **i32)
+    block_c = 256 if cu_seqlens.device.type == "cuda" else 1024
+    _logical_chunks_kernel[(triton.cdiv(n_chunks, block_c),)](
+        cu_seqlens, chunk_start, chunk_len, seq_chunks, n_seqs, n_chunks, chunk_size,
+        BLOCK_C=block_c, BLOCK_B=min(64, triton.next_power_of_2(max(n_seqs, 1))),
+    )
+    return chunk_start, chunk_len, seq_chunks
 
 
 class _Blocks(NamedTuple):
-    """Tile sizes. q: a chunk padded to a power of two; m: the rows (and columns) of a stage-4 tile; p, n: a state
-    tile; h_cumsum: heads per stage-1 program; c, h: chunks and heads per program of every stage that has them;
-    tensor_cores: whether 16-bit inputs take the bf16x3 tensor-core products (GPU) or stay in fp32 FMAs."""
+    """How the scan cuts its work. chunk: the length of its chunks (the model's chunk_size by default, though any
+    length computes the same recurrence: chunks cut the work, they are not part of what is computed); q: a chunk
+    padded to a power of two; m: the rows (and columns) of a stage-4 tile and of a C·Bᵀ tile; p: head-dim columns
+    of a state or y tile; n_state, n_pass, n_scan: state columns of a stage-2 tile, of a stage-3 tile and of a
+    stage-4 C·S step; h_cumsum: heads per stage-1 program; c, h: chunks and heads (groups, for C·Bᵀ) per program of
+    every stage that has them; warps, stages: num_warps and num_stages (software pipelining depth) of the stages
+    with products; tensor_cores: whether 16-bit inputs take the tensor-core products of _dot (GPU) or fp32 FMAs."""
+    chunk: int
     q: int
     m: int
     p: int
-    n: int
+    n_state: int
+    n_pass: int
+    n_scan: int
     h_cumsum: int
     c: int
     h: int
+    warps: int
+    stages: int
     tensor_cores: bool
 
 
 def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, device: torch.device) -> _Blocks:
-    """tl.dot needs every side >= 16, so q, m, p and n are padded up to that. GPU: one chunk per program, and one
-    head per program past stage 1; the grid supplies the parallelism. Interpreter, where every program costs the
-    same fixed time whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4
-    heads per program, so that tests with more chunks or heads than that still cross block edges."""
+    """tl.dot needs every side >= 16, so q, m, p and n are padded up to that. GPU: one chunk and one head per program
+    past stage 1 (the grid supplies the parallelism): 2-D tiles, which Triton maps onto Hopper's wgmma; a whole
+    (64, 128) state per stage-2 program, so x·decay is split into bf16 pieces once. Picked on an H200 with
+    bench/sweep_scan.py (2026-11-30, Bamba-9B, 32K and 2K tokens): (64, 64) stage-3 tiles and no software pipelining
+    (num_stages 1: less shared memory, more programs per SM) were the fastest of the variations tried; 8 warps, 32- or
+    128-wide C·S steps, 4 stages and chunks of 64 or 128 were slower. Interpreter, where every program costs the same
+    fixed time whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4 heads
+    per program, so that tests with more chunks or heads than that still cross block edges."""
     block_q = max(16, triton.next_power_of_2(chunk_size))
     block_m = min(64, block_q)
-    on_gpu = device.type == "cuda"
-    return _Blocks(
-        q=block_q, m=block_m,
-        p=min(64, max(16, triton.next_power_of_2(head_dim))), n=min(64, max(16, triton.next_power_of_2(d_state))),
-        h_cumsum=min(16, triton.next_power_of_2(n_heads)),
-        c=1 if on_gpu else 256 // block_m,
-        h=1 if on_gpu else min(4, triton.next_power_of_2(n_heads)),
-        tensor_cores=on_gpu,
-    )
+    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
+    block_n = max(16, triton.next_power_of_2(d_state))
+    heads_cumsum = triton.next_power_of_2(n_heads)
+    if device.type == "cuda":
+        return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(128, block_n),
+                       n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=min(8, heads_cumsum), c=1, h=1,
+                       warps=4, stages=1, tensor_cores=True)
+    return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(64, block_n),
+                   n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=min(16, heads_cumsum),
+                   c=256 // block_m, h=min(4, heads_cumsum), warps=4, stages=1, tensor_cores=False)
 
 
 def _check_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...], letters: str) -> None:
@@ -436,67 +562,86 @@ def ssd_scan(
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)                              # (T, H, P)
     if n_seqs == 0:
         return y
-    chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, chunk_size, n_tokens)
-    n_chunks = chunk_start.shape[0]                                                       # NC (an upper bound)
     blocks = _block_sizes(chunk_size, n_heads, head_dim, d_state, x.device)
+    chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, blocks.chunk, n_tokens)
+    n_chunks = chunk_start.shape[0]                                                       # NC (an upper bound)
     on_gpu = blocks.tensor_cores
-    tiles_pn = triton.cdiv(head_dim, blocks.p) * triton.cdiv(d_state, blocks.n)
     chunk_blocks = triton.cdiv(n_chunks, blocks.c)
     head_blocks = triton.cdiv(n_heads, blocks.h)
+    m_blocks = blocks.q // blocks.m
     f32 = dict(dtype=torch.float32, device=x.device)
+    # _dot's precision for each product (see its table): 16-bit operands take the tensor cores on the GPU only
+    how_cb = 0 if on_gpu and B.dtype == C.dtype and B.dtype in (torch.bfloat16, torch.float16) else 3
+    how_xb = 1 if on_gpu and B.dtype == torch.bfloat16 else 3           # (x·decay·Δ)ᵀ @ B       (stage 2)
+    how_cs = 2 if on_gpu and C.dtype == torch.bfloat16 else 3           # C @ state entering    (stage 4)
+    how_x = 1 if on_gpu and x.dtype == torch.bfloat16 else 3            # (C·Bᵀ∘L·Δ) @ x         (stage 4)
 
     delta = torch.empty(n_chunks, n_heads, blocks.q, **f32)                              # (NC, H, Q)
     dA_cumsum = torch.empty(n_chunks, n_heads, blocks.q, dtype=torch.float64, device=x.device)   # (NC, H, Q)
+    chunk_decay = torch.empty(n_chunks, n_heads, **f32)                                  # (NC, H)
     dt_min, dt_max = dt_limit
     has_dt_limit = dt_min > 0.0 or dt_max < math.inf
     _ssd_chunk_cumsum_fwd_kernel[(chunk_blocks, triton.cdiv(n_heads, blocks.h_cumsum))](
-        dt, A, dt_bias if dt_bias is not None else A, delta, dA_cumsum, chunk_start, chunk_len,
+        dt, A, dt_bias if dt_bias is not None else A, delta, dA_cumsum, chunk_decay, chunk_start, chunk_len,
         n_chunks, n_heads, float(dt_min), min(float(dt_max), torch.finfo(torch.float32).max),
         dt.stride(0), dt.stride(1),
-        delta.stride(0), delta.stride(1),
+        delta.stride(0), delta.stride(1), chunk_decay.stride(0),
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_dt_limit,
         BLOCK_C=blocks.c, BLOCK_Q=blocks.q, BLOCK_H=blocks.h_cumsum,
     )
 
     states = torch.empty(n_chunks, n_heads, head_dim, d_state, **f32)                    # (NC, H, P, N)
     heads_per_group = n_heads // n_groups
-    _ssd_chunk_state_fwd_kernel[(chunk_blocks, head_blocks, tiles_pn)](
+    _ssd_chunk_state_fwd_kernel[(head_blocks, chunk_blocks,
+                                 triton.cdiv(head_dim, blocks.p) * triton.cdiv(d_state, blocks.n_state))](
         x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
         n_chunks, n_heads, head_dim, d_state, heads_per_group,
         x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2),
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
-        B_IS_BF16=B.dtype == torch.bfloat16 and on_gpu,
-        BLOCK_C=blocks.c, BLOCK_H=blocks.h, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n,
+        HOW_XB=how_xb, BLOCK_C=blocks.c, BLOCK_H=blocks.h, BLOCK_K=blocks.m, BLOCK_P=blocks.p,
+        BLOCK_N=blocks.n_state, num_warps=blocks.warps, num_stages=blocks.stages,
     )
 
-    _ssd_state_passing_fwd_kernel[(n_seqs, head_blocks, tiles_pn)](
-        states, dA_cumsum, chunk_len, seq_chunks,
-        ssm_states, state_indices, has_initial_state.to(torch.int32),
+    _ssd_state_passing_fwd_kernel[(n_seqs, head_blocks,
+                                   triton.cdiv(head_dim, blocks.p) * triton.cdiv(d_state, blocks.n_pass))](
+        states, chunk_decay, seq_chunks,
+        ssm_states, state_indices,
+        has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state,
         n_heads, head_dim, d_state,
-        delta.stride(0), delta.stride(1),
+        chunk_decay.stride(0),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
-        BLOCK_H=blocks.h, BLOCK_P=blocks.p, BLOCK_N=blocks.n, ROUND_BY_BITS=interpreted(),
+        BLOCK_H=blocks.h, BLOCK_P=blocks.p, BLOCK_N=blocks.n_pass, ROUND_BY_BITS=interpreted(),
     )
 
-    m_blocks = blocks.q // blocks.m
-    _ssd_chunk_scan_fwd_kernel[(chunk_blocks * m_blocks, head_blocks, triton.cdiv(head_dim, blocks.p))](
-        x, z if z is not None else x, B, C, D if D is not None else A, delta, dA_cumsum, states, y,
+    cb = torch.empty(n_chunks, n_groups, blocks.q, blocks.q, **f32)                     # (NC, G, Q, Q)
+    group_blocks = triton.cdiv(n_groups, blocks.h)
+    _ssd_bmm_chunk_fwd_kernel[(group_blocks, chunk_blocks * m_blocks * m_blocks)](
+        B, C, cb, chunk_start, chunk_len,
+        n_chunks, n_groups, d_state,
+        B.stride(0), B.stride(1), B.stride(2),
+        C.stride(0), C.stride(1), C.stride(2),
+        cb.stride(0), cb.stride(1), cb.stride(2),
+        HOW_CB=how_cb, M_BLOCKS=m_blocks, BLOCK_C=blocks.c, BLOCK_G=blocks.h, BLOCK_M=blocks.m,
+        BLOCK_N=blocks.n_scan, num_warps=blocks.warps, num_stages=blocks.stages,
+    )
+
+    _ssd_chunk_scan_fwd_kernel[(head_blocks, chunk_blocks * m_blocks, triton.cdiv(head_dim, blocks.p))](
+        x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states, y,
         chunk_start, chunk_len,
         n_chunks, n_heads, head_dim, d_state, heads_per_group,
         x.stride(0), x.stride(1), x.stride(2),
         *(z.stride() if z is not None else (0, 0, 0)),
-        B.stride(0), B.stride(1), B.stride(2),
         C.stride(0), C.stride(1), C.stride(2),
+        cb.stride(0), cb.stride(1), cb.stride(2),
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         y.stride(0), y.stride(1), y.stride(2),
-        HAS_D=D is not None, HAS_Z=z is not None, C_IS_BF16=C.dtype == torch.bfloat16 and on_gpu,
-        X_IS_BF16=x.dtype == torch.bfloat16 and on_gpu,
-        CB_16BIT=B.dtype == C.dtype and B.dtype in (torch.bfloat16, torch.float16) and on_gpu,
+        HAS_D=D is not None, HAS_Z=z is not None, HOW_CS=how_cs, HOW_X=how_x,
         M_BLOCKS=m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
-        BLOCK_M=blocks.m, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n,
+        BLOCK_M=blocks.m, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n_scan, num_warps=blocks.warps,
+        num_stages=blocks.stages,
     )
     return y

@@ -1,0 +1,123 @@
+"""Tile-size sweep of our SSD scan on a GPU: candidate `_Blocks` of vendored/ops/ssd_scan.py timed side by side
+with vLLM's scan on the same inputs, plus where the default configuration's time goes, kernel by kernel.
+
+    python3 -m bench.sweep_scan --peers .peers --out out/sweep-scan        # CUDA machine, < 2 minutes on an H200
+
+Candidates are the default GPU `_Blocks` with one or two fields changed (warps, pipelining stages, state and scan
+tile widths); each is swapped in for `_block_sizes` while it runs. A candidate sums in another order than the default, so
+its y is compared with the default's (max |Δ| in the table) rather than required to be equal; the default itself is
+what tests/kernels holds to the fp64 twin. Writes sweep_scan.json and prints a table; pick a new default from it
+and run `pytest -m gpu tests/kernels/test_ssd_scan.py` before committing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.kernel_cases import BAMBA_9B, Setup, scan_case
+from bench.kernels import load_peers, max_abs_diff
+
+# the package exports the function ssd_scan under the module's name: fetch the module itself
+scan_module = importlib.import_module("vendored.ops.ssd_scan")
+
+CASES = ((32768, 1), (2048, 1), (2048, 8))
+
+
+def candidates(default) -> dict[str, object]:
+    """Name -> _Blocks: the default and variations around it."""
+    out = {"default": default}
+    out["n_state64"] = default._replace(n_state=64)
+    for n_pass in (32, 64, 128):
+        out[f"n_pass{n_pass}"] = default._replace(n_pass=n_pass)
+    for stages in (1, 2, 3, 4):
+        out[f"stages{stages}"] = default._replace(stages=stages)
+    out["n_scan32"] = default._replace(n_scan=32)
+    for chunk in (64, 128):                     # the scan's own chunk length: same recurrence, other cut of the work
+        out[f"chunk{chunk}"] = default._replace(chunk=chunk, q=chunk, m=min(default.m, chunk))
+        out[f"chunk{chunk}-n_pass64"] = default._replace(chunk=chunk, q=chunk, m=min(default.m, chunk), n_pass=64)
+    unique = {}
+    for name, blocks in out.items():             # a variation equal to the default is not timed twice
+        unique.setdefault(blocks, name)
+    return {name: blocks for blocks, name in unique.items()}
+
+
+def profile_default(run) -> list[tuple[str, float]]:
+    """(kernel name, µs per call) of one configuration, from the CUDA profiler over 5 calls."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 5) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m bench.sweep_scan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--peers", default=None, help="folder holding peer_loader.py and vendor/ (../shared/peers)")
+    p.add_argument("--out", default="out/sweep-scan")
+    p.add_argument("--rep-ms", type=float, default=30.0)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.sweep_scan needs a CUDA device")
+    # the profiler imports torch._inductor on first use, which walks sys.modules and trips over the peers' stub
+    # modules: import it before the peers load
+    importlib.import_module("torch._inductor")
+    import triton
+    import triton.testing
+    peers = load_peers(a.peers, print)
+    setup = Setup(BAMBA_9B, torch.device("cuda"), torch.bfloat16, 0)
+    real_block_sizes = scan_module._block_sizes
+    default = real_block_sizes(BAMBA_9B.Q, BAMBA_9B.H, BAMBA_9B.P, BAMBA_9B.N, torch.device("cuda"))
+    results, started = [], time.time()
+    for n_tokens, n_seqs in CASES:
+        impls = scan_case(setup, peers, n_tokens, n_seqs, torch.float32).build()
+        row = dict(tokens=n_tokens, seqs=n_seqs, ms={}, diff={})
+        if "vllm" in impls:
+            run, _ = impls["vllm"].prepare()
+            run()
+            row["ms"]["vllm"] = triton.testing.do_bench(run, rep=a.rep_ms, return_mode="median")
+        reference = None
+        for name, blocks in candidates(default).items():
+            scan_module._block_sizes = lambda *args, _b=blocks: _b
+            try:
+                run, read = impls["ours"].prepare()
+                run()
+                torch.cuda.synchronize()
+                y = read()[0].clone()
+                reference = y if reference is None else reference
+                row["diff"][name] = max_abs_diff(y, reference)
+                row["ms"][name] = triton.testing.do_bench(run, rep=a.rep_ms, return_mode="median")
+                if name == "default":
+                    row["profile"] = profile_default(run)
+            except Exception as e:                    # e.g. out of shared memory: report, go on
+                row["ms"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            finally:
+                scan_module._block_sizes = real_block_sizes
+            print(f"T{n_tokens} seqs{n_seqs} {name:24s} {row['ms'][name]}  (Δ {row['diff'].get(name)})", flush=True)
+        results.append(row)
+        del impls
+        torch.cuda.empty_cache()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                default=default._asdict(), seconds=time.time() - started)
+    (out / "sweep_scan.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1, default=str))
+    for row in results:
+        print(f"\nT{row['tokens']} seqs{row['seqs']}: vllm {row['ms'].get('vllm')}")
+        for name, ms in row["ms"].items():
+            if name != "vllm" and isinstance(ms, float) and "vllm" in row["ms"]:
+                print(f"  {name:24s} {ms:8.4f} ms   vllm/ours {row['ms']['vllm'] / ms:5.2f}")
+        for kernel, us in row.get("profile", [])[:10]:
+            print(f"    {us:9.1f} µs  {kernel[:80]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
