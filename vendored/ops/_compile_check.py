@@ -106,6 +106,8 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
                            norm_before_gate=norm_before_gate)
     label("rms_norm_gated, no gate")
     rms_norm_gated(randn(5, H * P), None, randn(H * P), eps=1e-5, group_size=H * P)
+    label("rms_norm_gated, group 2·H·P (wider than one piece: two passes)")
+    rms_norm_gated(randn(5, 2 * H * P), randn(5, 2 * H * P), randn(2 * H * P), eps=1e-5, group_size=2 * H * P)
 
     C = CONV_CHANNELS
     for bias, activation, what in ((randn(C), "silu", "bias, silu"), (None, None, "no bias, no activation")):
@@ -124,6 +126,10 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
         selective_state_update(randn(4, H, P, N, dt=state_dtype), xs.reshape(3, H, P), randn(3, H), -torch.rand(H),
                                Bs.reshape(3, G, N), Cs.reshape(3, G, N), D=torch.randn(H), dt_bias=torch.randn(H),
                                z=randn(3, H, P), state_indices=index(2, -1, 0), dt_limit=(0.0, 10.0))
+        label(f"selective_state_update, {pool}, 16 rows (a larger batch's launch)")
+        selective_state_update(randn(17, H, P, N, dt=state_dtype), randn(16, H, P), randn(16, H), -torch.rand(H),
+                               randn(16, G, N), randn(16, G, N), D=torch.randn(H), dt_bias=torch.randn(H), z=None,
+                               state_indices=torch.arange(16, dtype=torch.int32))
         label(f"selective_state_update, {pool}, one row, no optional inputs")
         selective_state_update(randn(4, H, P, N, dt=state_dtype), randn(1, H, P), randn(1, H), -torch.rand(H),
                                randn(1, G, N), randn(1, G, N), D=None, dt_bias=None, z=None,

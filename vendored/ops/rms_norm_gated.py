@@ -9,6 +9,8 @@ with rms_g(h) = h / sqrt(mean_g(h²) + eps). Statistics and arithmetic in fp32; 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -18,12 +20,13 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _load_gated(x_rows, gate_rows, offs, mask, stride_x_d, stride_gate_d,
-                HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr):
+                HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, EVICTION: tl.constexpr):
     """One piece of x in fp32, already times silu(gate) when the gate comes before the norm, and silu(gate)."""
-    h = tl.load(x_rows + offs[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(x_rows + offs[None, :] * stride_x_d, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
     silu_gate = h                                                      # unused unless HAS_GATE
     if HAS_GATE:
-        gate = tl.load(gate_rows + offs[None, :] * stride_gate_d, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_rows + offs[None, :] * stride_gate_d, mask=mask, other=0.0,
+                       eviction_policy=EVICTION).to(tl.float32)
         silu_gate = gate / (1.0 + tl.exp(-gate))
         if not NORM_BEFORE_GATE:
             h *= silu_gate
@@ -49,10 +52,12 @@ def _rms_norm_gated_fwd_kernel(
     stride_weight_d,
     stride_out_t, stride_out_d,
     HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVICTION: tl.constexpr,
 ):
     """BLOCK_ROWS rows, group g. ONE_PASS (the group fits in BLOCK_D): x and the gate are read once and kept;
-    otherwise two passes over the group's channels in BLOCK_D pieces (sum of squares, then write)."""
+    otherwise two passes over the group's channels in BLOCK_D pieces (sum of squares, then write; the second
+    pass's reads mostly hit L2). EVICTION: the cache eviction policy of the loads of x and the gate ("" or
+    "evict_first"; the second pass of two reads with the default policy)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # (BLOCK_ROWS,)
     mask_t = (rows < n_rows)[:, None]                                  # (BLOCK_ROWS, 1)
     rows = rows.to(tl.int64)[:, None]
@@ -66,7 +71,7 @@ def _rms_norm_gated_fwd_kernel(
         mask_d = offs < group_start + group_size
         mask = mask_t & mask_d[None, :]                                # (BLOCK_ROWS, BLOCK_D)
         h, silu_gate = _load_gated(x_rows, gate_rows, offs, mask, stride_x_d, stride_gate_d, HAS_GATE,
-                                   NORM_BEFORE_GATE)
+                                   NORM_BEFORE_GATE, EVICTION)
         inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / group_size + eps)   # (BLOCK_ROWS,)
         _store_normed(out_rows, weight_ptr, h, silu_gate, inv_rms, offs, mask, mask_d, stride_out_d,
                       stride_weight_d, HAS_GATE, NORM_BEFORE_GATE)
@@ -76,7 +81,7 @@ def _rms_norm_gated_fwd_kernel(
             offs = group_start + start + tl.arange(0, BLOCK_D)
             mask = mask_t & (offs < group_start + group_size)[None, :]
             h, _ = _load_gated(x_rows, gate_rows, offs, mask, stride_x_d, stride_gate_d, HAS_GATE and not
-                               NORM_BEFORE_GATE, NORM_BEFORE_GATE)
+                               NORM_BEFORE_GATE, NORM_BEFORE_GATE, "")
             sum_sq += h * h
         inv_rms = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / group_size + eps)
 
@@ -85,19 +90,29 @@ def _rms_norm_gated_fwd_kernel(
             mask_d = offs < group_start + group_size
             mask = mask_t & mask_d[None, :]
             h, silu_gate = _load_gated(x_rows, gate_rows, offs, mask, stride_x_d, stride_gate_d, HAS_GATE,
-                                       NORM_BEFORE_GATE)
+                                       NORM_BEFORE_GATE, EVICTION)
             _store_normed(out_rows, weight_ptr, h, silu_gate, inv_rms, offs, mask, mask_d, stride_out_d,
                           stride_weight_d, HAS_GATE, NORM_BEFORE_GATE)
 
 
-def _block_sizes(group_size: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_ROWS, BLOCK_D). GPU: one row per program and the whole group in one piece up to 8192 channels (Bamba's
-    H·P/G), read once and kept in registers. Interpreter, where every program costs the same fixed time: 64 rows per
-    program, and 32-channel pieces so that groups wider than 32 are read in two passes, as the GPU reads groups
-    wider than 8192, and groups up to 32 in one, as the GPU reads Bamba's."""
+class NormLaunch(NamedTuple):
+    """How the kernel is launched: each program takes block_rows rows of one group, block_d channels at a time."""
+    block_rows: int
+    block_d: int
+    num_warps: int
+    eviction: str = ""                                                 # of x's and the gate's loads
+
+
+def _block_sizes(group_size: int, device: torch.device) -> NormLaunch:
+    """GPU: one row per program and the whole group in one piece up to 8192 channels (Bamba's H·P/G), read once
+    and kept in registers, by 8 warps (32 fp32 values a thread at 8192); bench/sweep_norm_ssu.py times the
+    alternatives. Interpreter, where every program costs the same fixed time: 64 rows per program, and 32-channel
+    pieces so that groups wider than 32 are read in two passes, as the GPU reads groups wider than 8192, and groups
+    up to 32 in one, as the GPU reads Bamba's."""
     if device.type == "cuda":
-        return 1, min(triton.next_power_of_2(group_size), 8192)
-    return 64, min(triton.next_power_of_2(group_size), 32)
+        block_d = min(triton.next_power_of_2(group_size), 8192)
+        return NormLaunch(1, block_d, 8 if block_d >= 2048 else 4)
+    return NormLaunch(64, min(triton.next_power_of_2(group_size), 32), 4)
 
 
 def rms_norm_gated(
@@ -136,15 +151,15 @@ def rms_norm_gated(
     if out.numel() == 0:
         return out.reshape(x.shape)
     n_rows = x_rows.shape[0]
-    block_rows, block_d = _block_sizes(group_size, x.device)
-    _rms_norm_gated_fwd_kernel[(triton.cdiv(n_rows, block_rows), width // group_size)](
+    launch = _block_sizes(group_size, x.device)
+    _rms_norm_gated_fwd_kernel[(triton.cdiv(n_rows, launch.block_rows), width // group_size)](
         x_rows, gate_rows, weight, out,
         n_rows, group_size, eps,
         x_rows.stride(0), x_rows.stride(1),
         gate_rows.stride(0), gate_rows.stride(1),
         weight.stride(0),
         out.stride(0), out.stride(1),
-        HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, ONE_PASS=block_d >= group_size,
-        BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4,
+        HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, ONE_PASS=launch.block_d >= group_size,
+        BLOCK_ROWS=launch.block_rows, BLOCK_D=launch.block_d, EVICTION=launch.eviction, num_warps=launch.num_warps,
     )
     return out.reshape(x.shape)

@@ -12,6 +12,7 @@ pool's dtype; the new state is rounded to the pool's dtype only when stored, and
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -48,14 +49,23 @@ def _selective_state_update_fwd_kernel(
     stride_y_b, stride_y_h, stride_y_p,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_DT_LIMIT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, ROUND_BY_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_PN: tl.constexpr, STATE_EVICTION: tl.constexpr, ROUND_BY_BITS: tl.constexpr,
 ):
     """BLOCK_B rows × BLOCK_H heads (S pairs, row-major), BLOCK_P of each head's P channels, all N state columns
-    (BLOCK_N >= N)."""
+    (BLOCK_N >= N). EVEN_PN: BLOCK_P divides P and BLOCK_N == N, so only rows and heads need masks. STATE_EVICTION:
+the cache eviction policy of the state's load and store ("" or "evict_first": read once, written once).
+
+    One axis of programs, ordered P tiles fastest, then heads, then rows: programs that run at the same time read
+    and write neighbouring pieces of one slot's (H, P, N) block, as a copy would (and no grid axis limits rows)."""
+    pid = tl.program_id(0)
+    n_tiles_p = tl.cdiv(head_dim, BLOCK_P)
+    n_tiles_h = tl.cdiv(n_heads, BLOCK_H)
+    pid_p = pid % n_tiles_p
+    pid_bh = pid // n_tiles_p
     offs_s = tl.arange(0, BLOCK_B * BLOCK_H)                           # (S,) a (row, head) pair
-    b = tl.program_id(0) * BLOCK_B + offs_s // BLOCK_H
-    h = tl.program_id(1) * BLOCK_H + offs_s % BLOCK_H
-    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)       # (BLOCK_P,)
+    b = (pid_bh // n_tiles_h) * BLOCK_B + offs_s // BLOCK_H
+    h = (pid_bh % n_tiles_h) * BLOCK_H + offs_s % BLOCK_H
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)                   # (BLOCK_P,)
     offs_n = tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
     g = h // heads_per_group                                           # interleaved: heads [g·H/G, (g+1)·H/G)
     mask_s = (b < n_rows) & (h < n_heads)
@@ -63,9 +73,17 @@ def _selective_state_update_fwd_kernel(
     slot = tl.load(state_indices_ptr + b, mask=mask_s, other=pad_slot_id).to(tl.int64)
     # A padding row reads and writes no slot (nor any input) and outputs 0.
     live = mask_s & (slot != pad_slot_id)                              # (S,)
-    mask_p = offs_p < head_dim
-    live_p = live[:, None] & mask_p[None, :]                           # (S, BLOCK_P)
-    live_n = live[:, None] & (offs_n < d_state)[None, :]               # (S, BLOCK_N)
+    if EVEN_PN:                                                        # masks broadcast along P and N
+        mask_y = mask_s[:, None]                                       # (S, 1)
+        live_p = live[:, None]                                         # (S, 1)
+        live_n = live[:, None]
+        live_pn = live[:, None, None]                                  # (S, 1, 1)
+    else:
+        mask_p = offs_p < head_dim
+        live_p = live[:, None] & mask_p[None, :]                       # (S, BLOCK_P)
+        live_n = live[:, None] & (offs_n < d_state)[None, :]           # (S, BLOCK_N)
+        live_pn = live_p[:, :, None] & live_n[:, None, :]              # (S, BLOCK_P, BLOCK_N)
+        mask_y = mask_s[:, None] & mask_p[None, :]
 
     dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h, mask=live, other=0.0).to(tl.float32)   # (S,)
     if HAS_DT_BIAS:
@@ -83,11 +101,11 @@ def _selective_state_update_fwd_kernel(
     C = tl.load(C_ptr + b[:, None] * stride_C_b + g[:, None] * stride_C_g + offs_n[None, :] * stride_C_n,
                 mask=live_n, other=0.0).to(tl.float32)
     state_ptrs = (ssm_states_ptr + (slot * stride_states_s + h * stride_states_h)[:, None, None]
-                  + offs_p[None, :, None] * stride_states_p + offs_n[None, None, :] * stride_states_n)
-    live_pn = live_p[:, :, None] & live_n[:, None, :]                  # (S, BLOCK_P, BLOCK_N)
-    state = tl.load(state_ptrs, mask=live_pn, other=0.0).to(tl.float32)
+                  + (offs_p[None, :, None] * stride_states_p + offs_n[None, None, :] * stride_states_n))
+    state = tl.load(state_ptrs, mask=live_pn, other=0.0, eviction_policy=STATE_EVICTION).to(tl.float32)
     state = decay[:, None, None] * state + (dt[:, None] * x)[:, :, None] * B[:, None, :]
-    tl.store(state_ptrs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=live_pn)
+    tl.store(state_ptrs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=live_pn,
+             eviction_policy=STATE_EVICTION)
 
     y = tl.sum(state * C[:, None, :], axis=2)                          # (S, BLOCK_P)
     if HAS_D:
@@ -98,7 +116,7 @@ def _selective_state_update_fwd_kernel(
         y *= z / (1.0 + tl.exp(-z))
     y = tl.where(live[:, None], y, 0.0)
     tl.store(y_ptr + b[:, None] * stride_y_b + h[:, None] * stride_y_h + offs_p[None, :] * stride_y_p,
-             y.to(y_ptr.dtype.element_ty), mask=mask_s[:, None] & mask_p[None, :])
+             y.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,14 +134,30 @@ def _expect_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name}: expected dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
 
 
-def _block_sizes(n_heads: int, head_dim: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_B, BLOCK_H, BLOCK_P). GPU: one row, one head and a quarter of a 64-wide head per program (parallelism
-    at batch 1). Interpreter, where every program costs the same fixed time: up to 4 rows, 4 heads and 16 channels
-    per program, so that tests with more rows, heads or channels than that still cross tile edges."""
-    block_p = min(triton.next_power_of_2(head_dim), 16)
+class SsuLaunch(NamedTuple):
+    """How the kernel is launched: each program takes block_b rows × block_h heads × block_p channels × all N."""
+    block_b: int
+    block_h: int
+    block_p: int
+    num_warps: int
+    state_eviction: str = ""                                           # "" or "evict_first"
+
+
+def _block_sizes(n_rows: int, n_heads: int, head_dim: int, d_state: int, state_dtype: torch.dtype,
+                 device: torch.device) -> SsuLaunch:
+    """GPU: one row and one head per program, and a tile of the head's (P, N) state of about 512 elements (fp32,
+    1 warp) or 4096 (16-bit pool, 2 warps; 1024 at 8·H rows or fewer, where more programs matter more): many small
+    programs keep enough loads in flight on every SM at batch 1 and at batch 256 alike; bench/sweep_norm_ssu.py
+    times the alternatives. Interpreter, where every program costs the same fixed time: up to 4 rows, 4 heads and
+    16 channels per program, so that tests with more rows, heads or channels than that still cross tile edges."""
     if device.type == "cuda":
-        return 1, 1, block_p
-    return 4, min(triton.next_power_of_2(n_heads), 4), block_p
+        if state_dtype.itemsize >= 4:
+            elements, warps = 512, 1
+        else:
+            elements, warps = (1024, 2) if n_rows <= 8 else (4096, 2)
+        block_p = max(1, min(elements // triton.next_power_of_2(d_state), triton.next_power_of_2(head_dim)))
+        return SsuLaunch(1, 1, block_p, warps)
+    return SsuLaunch(4, min(triton.next_power_of_2(n_heads), 4), min(triton.next_power_of_2(head_dim), 16), 4)
 
 
 def selective_state_update(
@@ -185,11 +219,13 @@ def selective_state_update(
                     device=x.device)
     if n_rows == 0:
         return y
-    block_b, block_h, block_p = _block_sizes(n_heads, head_dim, x.device)
+    launch = _block_sizes(n_rows, n_heads, head_dim, d_state, ssm_states.dtype, x.device)
+    block_n = triton.next_power_of_2(d_state)
     stand_in = A                                                       # never read when its flag is False
     D_arg, dt_bias_arg = (D if D is not None else stand_in), (dt_bias if dt_bias is not None else stand_in)
     z_arg = z if z is not None else x
-    grid = (triton.cdiv(n_rows, block_b), triton.cdiv(n_heads, block_h), triton.cdiv(head_dim, block_p))
+    grid = (triton.cdiv(n_rows, launch.block_b) * triton.cdiv(n_heads, launch.block_h)
+            * triton.cdiv(head_dim, launch.block_p),)
     _selective_state_update_fwd_kernel[grid](
         ssm_states, x, dt, A, B, C, D_arg, dt_bias_arg, z_arg, state_indices, y,
         n_rows, n_heads, head_dim, d_state, n_heads // n_groups, pad_slot_id, float(dt_min), float(dt_max),
@@ -205,7 +241,8 @@ def selective_state_update(
         *y.stride(),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
         HAS_DT_LIMIT=dt_min > 0.0 or dt_max < math.inf,
-        BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state),
-        ROUND_BY_BITS=interpreted(),
+        BLOCK_B=launch.block_b, BLOCK_H=launch.block_h, BLOCK_P=launch.block_p, BLOCK_N=block_n,
+        EVEN_PN=head_dim % launch.block_p == 0 and d_state == block_n, STATE_EVICTION=launch.state_eviction,
+        ROUND_BY_BITS=interpreted(), num_warps=launch.num_warps,
     )
     return y
