@@ -190,7 +190,7 @@ def test_dt_without_softplus():
 
 @pytest.mark.parametrize("chunk_size", [
     pytest.param(8, id="Q8-below-block"), pytest.param(24, id="Q24-not-power-of-2"),
-    pytest.param(128, id="Q128-two-row-blocks"),
+    pytest.param(128, id="Q128-two-row-blocks"), pytest.param(192, id="Q192-four-row-blocks-padded"),
 ])
 def test_chunk_sizes(chunk_size):
     check_against_twin(Case(lengths=(70, 150), chunk_size=chunk_size))

@@ -375,12 +375,22 @@ def _ssd_chunk_scan_fwd_kernel(
                      mask=mask_s[:, None, None], other=0.0)                               # (S, BLOCK_M, BLOCK_K)
         dA_k = tl.load(dA_cumsum_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)   # (S, BLOCK_K)
         delta_k = tl.load(delta_ptr + cs_base[:, None] + offs_k[None, :], mask=mask_k, other=0.0)
-        causal = (offs_m[:, None] >= offs_k[None, :])[None, :, :] & mask_k[:, None, :]   # (S, BLOCK_M, BLOCK_K)
-        decay = tl.exp(tl.where(causal, (dA_m[:, :, None] - dA_k[:, None, :]).to(tl.float32), float("-inf")))
+        if k0 + BLOCK_K <= pid_m * BLOCK_M:
+            # every column comes before every row: L factors through the block's last column e as
+            # exp(cs_m - cs_e)·exp(cs_e - cs_k), both exponents <= 0 (a row past the chunk's end is clamped there),
+            # so two vectors of exps and a product replace an exp per element
+            dA_e = tl.load(dA_cumsum_ptr + cs_base + k0 + BLOCK_K - 1, mask=mask_s, other=0.0)        # (S,)
+            to_row = tl.exp(tl.minimum(dA_m - dA_e[:, None], 0.0).to(tl.float32))                    # (S, BLOCK_M)
+            from_col = tl.exp((dA_e[:, None] - dA_k).to(tl.float32)) * delta_k                       # (S, BLOCK_K)
+            weights = cb * to_row[:, :, None] * from_col[:, None, :]
+        else:
+            causal = (offs_m[:, None] >= offs_k[None, :])[None, :, :] & mask_k[:, None, :]   # (S, BLOCK_M, BLOCK_K)
+            decay = tl.exp(tl.where(causal, (dA_m[:, :, None] - dA_k[:, None, :]).to(tl.float32), float("-inf")))
+            weights = cb * decay * delta_k[:, None, :]
         x_k = tl.load(x_ptr + tok_k[:, :, None] * stride_x_t + head[:, None, None] * stride_x_h
                       + offs_p[None, None, :] * stride_x_p,
                       mask=mask_k[:, :, None] & mask_p[None, None, :], other=0.0)                  # (S, K, P)
-        acc += _bdot(cb * decay * delta_k[:, None, :], x_k, HOW_X)
+        acc += _bdot(weights, x_k, HOW_X)
 
     mask = mask_m[:, :, None] & mask_p[None, None, :]                                     # (S, BLOCK_M, BLOCK_P)
     if HAS_D:
