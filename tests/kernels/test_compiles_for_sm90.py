@@ -1,6 +1,8 @@
 """Every kernel specialisation the ops launch compiles for sm_90 (H100/H200) with the pinned triton, on a machine
 without a GPU: the interpreter never compiles, so a kernel that only the compiler rejects (a tl.dot under 16, a
-dtype mismatch in a loop-carried value, a non-constexpr shape) would otherwise first fail on a GPU."""
+dtype mismatch in a loop-carried value, a non-constexpr shape) would otherwise first fail on a GPU. The check also
+fails a kernel that spills registers, or a product kernel of the scan that leaves Hopper's wgmma (see
+vendored/ops/_compile_check.py): slow-downs that no CPU test could otherwise see."""
 
 from __future__ import annotations
 

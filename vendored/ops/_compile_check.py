@@ -8,7 +8,11 @@ small CPU tensors at Bamba-9B's widths (H=128, P=64, N=128, G=1, Q=256, C=8448),
 parameters it chooses for a CUDA device (its `_block_sizes(..., device)` is handed torch.device("cuda")). Every
 launch is caught instead of run, specialised as the JIT specialises it on the GPU (pointer dtypes, integers equal
 to 1, 16-byte divisibility), and compiled down to a cubin by the ptxas that ships in triton's wheel. One line per
-distinct compilation; the exit status is 1 if any failed.
+distinct compilation, with what ptxas reports (registers, bytes spilled) and which tensor-core instructions the
+PTX holds (wgmma: Hopper's; mma.sync: the older kind). The exit status is 1 if any failed, spilled registers, or
+if a product kernel of the scan (TENSOR_CORE_KERNELS) ran its 16-bit products anywhere but on wgmma: the speed of
+those kernels depends on it, and a change of tile shape or rank silently gives it up (a 3-D tl.dot lowers to
+mma.sync with kilobytes of spills, as the scan did before 2026-11-30).
 
 It leans on two internals of triton 3.6's JIT (`create_function_from_signature`, `JITFunction._pack_args`), the
 same calls `JITFunction.run` makes before it compiles.
@@ -20,7 +24,10 @@ import contextlib
 import importlib
 import math
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from typing import Callable, Iterator, NamedTuple
 
@@ -38,6 +45,8 @@ from triton.compiler import compile as compile_triton  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)                                 # H100 / H200, warp size 32
+# Kernels whose products of 16-bit inputs must run on Hopper's wgmma (checked on the bf16 calls).
+TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel")
 OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
               for name in ("causal_conv1d", "rms_norm_gated", "selective_state_update", "ssd_scan")]
 
@@ -158,6 +167,38 @@ def compile_for_gpu(launch: Launch):
                                        options=options.__dict__)
 
 
+class Report(NamedTuple):
+    registers: int
+    spilled: int           # bytes of spill stores
+    wgmma: int             # wgmma.mma_async instructions in the PTX
+    mma_sync: int          # mma.sync instructions
+
+
+def ptxas_report(ptx: str) -> Report:
+    """Registers and spills as ptxas reports them for sm_90a, and the tensor-core instructions of the PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([get_ptxas(TARGET.arch).path, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    return Report(int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0,
+                  ptx.count("wgmma.mma_async"), ptx.count("mma.sync"))
+
+
+def problems_of(name: str, case: str, report: Report) -> list[str]:
+    found = []
+    if report.spilled:
+        found.append(f"spills {report.spilled} bytes of registers")
+    if name in TENSOR_CORE_KERNELS and case.startswith("bfloat16") and (report.mma_sync or not report.wgmma):
+        found.append(f"runs its products on {report.mma_sync} mma.sync / {report.wgmma} wgmma instructions, "
+                     "not on wgmma alone")
+    return found
+
+
 def main() -> int:
     torch.manual_seed(0)
     catcher = LaunchCatcher()
@@ -179,7 +220,15 @@ def main() -> int:
             print(f"FAIL {name}  [{launch.case}]\n{traceback.format_exc()}", flush=True)
             continue
         meta = compiled.metadata
-        print(f"OK   {name}  [{launch.case}]  {meta.num_warps} warps, {meta.shared} B shared", flush=True)
+        report = ptxas_report(compiled.asm["ptx"])
+        line = (f"{name}  [{launch.case}]  {meta.num_warps} warps, {meta.shared} B shared, {report.registers} "
+                f"registers, {report.spilled} B spilled, {report.wgmma} wgmma, {report.mma_sync} mma.sync")
+        problems = problems_of(name, launch.case, report)
+        if problems:
+            failed += 1
+            print(f"FAIL {line}: {'; '.join(problems)}", flush=True)
+            continue
+        print(f"OK   {line}", flush=True)
     print(f"{len(done) - failed} of {len(done)} distinct kernel specialisations compiled for sm_{TARGET.arch}")
     return 1 if failed else 0
 
