@@ -5,7 +5,8 @@
 The CPU test suite runs the kernels in the Triton interpreter, which never compiles them; this check covers the
 other half of a change made on a CPU machine: the GPU code paths still build. Each op's host function is called on
 small CPU tensors at Bamba-9B's widths (H=128, P=64, N=128, G=1, Q=256, C=8448), in bf16 and fp32, with the launch
-parameters it chooses for a CUDA device (its `_block_sizes(..., device)` is handed torch.device("cuda")). Every
+parameters it chooses for a CUDA device (its `_block_sizes(..., device)`, or each function its LAUNCH_CHOOSERS
+names, is handed torch.device("cuda")). Every
 launch is caught instead of run, specialised as the JIT specialises it on the GPU (pointer dtypes, integers equal
 to 1, 16-byte divisibility), and compiled down to a cubin by the ptxas that ships in triton's wheel. One line per
 distinct compilation; the exit status is 1 if any failed.
@@ -69,9 +70,10 @@ class LaunchCatcher:
     def active(self) -> Iterator[None]:
         saved = []
         for module in OP_MODULES:
-            choose = module._block_sizes
-            saved.append((module, "_block_sizes", choose))
-            module._block_sizes = lambda *args, _choose=choose: _choose(*args[:-1], torch.device("cuda"))
+            for chooser in getattr(module, "LAUNCH_CHOOSERS", ("_block_sizes",)):
+                choose = getattr(module, chooser)
+                saved.append((module, chooser, choose))
+                setattr(module, chooser, lambda *args, _choose=choose: _choose(*args[:-1], torch.device("cuda")))
             for kernel in vars(module).values():
                 # a jit helper imported by several modules (round_to) is patched once
                 if isinstance(kernel, JITFunction) and all(kernel is not owner for owner, _, _ in saved):
@@ -115,6 +117,15 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
         label(f"causal_conv1d_update, {what}")
         causal_conv1d_update(randn(3, C), randn(4, C, W - 1), randn(C, W), bias, index(1, -1, 2),
                              activation=activation)
+    # the channel-last pool (S, W-1, C) seen as (S, C, W-1), vLLM's layout and the benchmark's: other strides
+    label("causal_conv1d, channel-last pool")
+    causal_conv1d(randn(7, C), randn(C, W), randn(C), randn(4, W - 1, C).transpose(1, 2), index(0, 2, 7), index(1, 3),
+                  torch.tensor([True, False]))
+    label("causal_conv1d_update, channel-last pool")
+    causal_conv1d_update(randn(3, C), randn(4, W - 1, C).transpose(1, 2), randn(C, W), randn(C), index(1, -1, 2))
+    label("causal_conv1d_update, 64 rows")
+    causal_conv1d_update(randn(64, C), randn(66, W - 1, C).transpose(1, 2), randn(C, W), randn(C),
+                         torch.arange(64, dtype=torch.int32))
 
     for state_dtype in (torch.float32, torch.bfloat16):
         pool = f"{str(state_dtype).removeprefix('torch.')} pool"
