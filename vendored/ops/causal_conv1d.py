@@ -66,6 +66,11 @@ def _causal_conv1d_fwd_kernel(
     mask_c = offs_c < n_channels
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                                       # the previous kernel's writes are visible
+    # The W weight columns, loaded (and laid out for the tile) once, before any input.
+    w_taps = ()
+    for j in tl.static_range(WIDTH):
+        w_j = tl.load(weight_ptr + offs_c * stride_weight_c + j * stride_weight_w, mask=mask_c, other=0.0)
+        w_taps = w_taps + (w_j.to(tl.float32),)                        # W x (BLOCK_C,)
 
     # The sequence of each token: the largest b with cu_seqlens[b] <= t (binary search; empty sequences skipped
     # because their start equals the next one's). Invariant: cu_seqlens[lo] <= t < cu_seqlens[hi].
@@ -89,8 +94,7 @@ def _causal_conv1d_fwd_kernel(
         from_x = pos + j >= WIDTH - 1                                  # (BLOCK_T,)
         x_tap = tl.load(x_tile + ((rows + (j - (WIDTH - 1))) * stride_x_t)[:, None] + col_x,
                         mask=(mask_t & from_x)[:, None] & mask_c[None, :], other=0.0)
-        w_j = tl.load(weight_ptr + offs_c * stride_weight_c + j * stride_weight_w, mask=mask_c, other=0.0)
-        acc += x_tap.to(tl.float32) * w_j.to(tl.float32)[None, :]
+        acc += x_tap.to(tl.float32) * w_taps[j][None, :]
 
     # Taps before a sequence's start read its initial window (zeros without one). Only a sequence's first W-1
     # tokens have such taps, so most tiles skip this block.
@@ -104,8 +108,7 @@ def _causal_conv1d_fwd_kernel(
             s_tap = tl.load(state_rows[:, None] + (offs_c * stride_states_c)[None, :]
                             + ((pos + j) * stride_states_w)[:, None],
                             mask=(reads_state & (pos + j < WIDTH - 1))[:, None] & mask_c[None, :], other=0.0)
-            w_j = tl.load(weight_ptr + offs_c * stride_weight_c + j * stride_weight_w, mask=mask_c, other=0.0)
-            acc += s_tap.to(tl.float32) * w_j.to(tl.float32)[None, :]
+            acc += s_tap.to(tl.float32) * w_taps[j][None, :]
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
