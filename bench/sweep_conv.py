@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -103,9 +104,9 @@ def sweep_case(case: Case, a: argparse.Namespace, on_gpu: bool, deadline: float,
     if not on_gpu:                                                   # the interpreter has no PDL
         candidates = [c._replace(pdl=False) for c in candidates[:2]]
     record = dict(op=case.op, case=case.name, params=case.params, bytes=case.counts.bytes, rows=[])
-    n_channels, first = BAMBA_9B.conv_channels if on_gpu else SMOKE.conv_channels, case.params.get("tokens")
+    n_channels = (BAMBA_9B if on_gpu else SMOKE).conv_channels
     device = torch.device("cuda" if on_gpu else "cpu")
-    default = original(first if first is not None else case.params["batch"], n_channels, device)
+    default = original(case.params["tokens"] if case.op == "causal_conv1d" else case.params["batch"], n_channels, device)
     record["default"] = default._asdict()
     row, reference = run_candidate(case, impls["ours"], "default", a, on_gpu, None)
     record["rows"].append(dict(row, config=default._asdict(), is_default=True))
@@ -203,17 +204,23 @@ def main(argv=None) -> int:
     import triton
     meta = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__, args=vars(a))
-    records = []
+    records, failed = [], []
     with torch.inference_mode():
         for case in sweep_cases(setup, peers, a.smoke):
-            records.append(sweep_case(case, a, on_gpu, t_start + a.budget, log))
+            try:
+                records.append(sweep_case(case, a, on_gpu, t_start + a.budget, log))
+            except Exception as e:                                   # the default itself failed: the other cases go on
+                traceback.print_exc()
+                failed.append(f"{case.op} {case.name}: {type(e).__name__}: {str(e)[:200]}")
+                log(f"# FAILED {failed[-1]}")
             if on_gpu:
                 torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t_start, 1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {op: ranking(records, op) for op in CHOOSER}
-    (out / "sweep.json").write_text(json.dumps(dict(meta=meta, cases=records, ranking=summary), indent=1))
+    (out / "sweep.json").write_text(json.dumps(dict(meta=meta, cases=records, ranking=summary, failed=failed),
+                                               indent=1))
     (out / "sweep.md").write_text(markdown(records, meta))
     for op, ranked in summary.items():
         if ranked:
@@ -222,7 +229,7 @@ def main(argv=None) -> int:
     for case_name, candidate in unequal:
         log(f"# MISMATCH: {candidate} differs from the default in {case_name}")
     log(f"# done in {meta['wall_s']}s: {out / 'sweep.md'}")
-    return 1 if unequal else 0
+    return 1 if unequal or failed else 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ bf16, and fp32 accumulation is what a careful kernel does anyway).
 Prefill runs two launches: the convolution, which reads initial windows, then the final-window write, which
 overwrites the same slots. One launch could not do both without a race between the program that reads a slot
 (the first tokens of a sequence) and the one that writes it (the last tokens).
+
+Both ops are memory-bound: every tile runs along the channels (stride 1 in the channel-last layouts of the mixer's
+projection and of vLLM's pool), so loads and stores are 16-byte vectors when the strides allow. Tiles, warps and
+programmatic dependent launch (on a GPU, a kernel's programs may be scheduled while the previous kernel finishes;
+they wait for its writes before touching memory) are chosen in `_prefill_launch` and `_update_launch` only.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ def _causal_conv1d_fwd_kernel(
     mask_c = offs_c < n_channels
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                                       # the previous kernel's writes are visible
+        tl.extra.cuda.gdc_launch_dependents()                          # the next one may start (and wait likewise)
     # The W weight columns, loaded (and laid out for the tile) once, before any input.
     w_taps = ()
     for j in tl.static_range(WIDTH):
@@ -117,8 +123,6 @@ def _causal_conv1d_fwd_kernel(
     out_tile = out_ptr + t0.to(tl.int64) * stride_out_t + c0.to(tl.int64) * stride_out_c
     tl.store(out_tile + (rows * stride_out_t)[:, None] + (cols * stride_out_c)[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -138,6 +142,7 @@ def _causal_conv1d_final_state_fwd_kernel(
     mask_b = offs_b < n_seqs
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     mask = (mask_b[:, None, None] & (offs_c < n_channels)[None, :, None]
             & (offs_w < WIDTH - 1)[None, None, :])                     # (BLOCK_B, BLOCK_C, BLOCK_W)
 
@@ -159,8 +164,6 @@ def _causal_conv1d_final_state_fwd_kernel(
     new_vals = x_vals.to(tl.float32) + old_vals.to(tl.float32)         # (BLOCK_B, BLOCK_C, BLOCK_W)
     tl.store(state_base + offs_w[None, None, :] * stride_states_w, new_vals.to(conv_states_ptr.dtype.element_ty),
              mask=mask)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -184,6 +187,7 @@ def _causal_conv1d_update_fwd_kernel(
     offs_b = offs_b.to(tl.int64)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                                       # the previous kernel's writes are visible
+        tl.extra.cuda.gdc_launch_dependents()                          # the next one may start (and wait likewise)
     slot = tl.load(state_indices_ptr + offs_b, mask=mask_b, other=pad_slot_id).to(tl.int64)
     # A padding row reads and writes no slot (nor its input) and outputs 0.
     live = mask_b & (slot != pad_slot_id)                              # (BLOCK_B,)
@@ -211,8 +215,6 @@ def _causal_conv1d_update_fwd_kernel(
     acc = tl.where(live[:, None], acc, 0.0)
     tl.store(out_ptr + offs_b[:, None] * stride_out_b + offs_c[None, :] * stride_out_c,
              acc.to(out_ptr.dtype.element_ty), mask=mask_b[:, None] & mask_c[None, :])
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 # ---------------------------------------------------------------------------------------------------------------
