@@ -23,7 +23,7 @@ they wait for its writes before touching memory) are chosen in `_prefill_launch`
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -51,6 +51,7 @@ def _causal_conv1d_fwd_kernel(
     stride_bias_c,
     stride_states_s, stride_states_c, stride_states_w,
     stride_out_t, stride_out_c,
+    n_slots,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -58,7 +59,9 @@ def _causal_conv1d_fwd_kernel(
 
     Tap j of token t reads input t + j - (W-1): the same tile shifted up by W-1-j rows, so the W loads of a tile
     overlap and all but the first come from L1/L2. Addresses are a per-tile int64 base plus int32 offsets inside
-    the tile (the host keeps those below 2^31)."""
+    the tile (the host keeps those below 2^31). The host checks the index values only after the launch, so bad
+    ones must not make the kernel touch memory outside x, out and the pool: the masks keep every input row >= 0
+    and every state read inside its slot, and slots inside the pool."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     t0 = pid_t * BLOCK_T                                               # first token of the tile
@@ -99,7 +102,7 @@ def _causal_conv1d_fwd_kernel(
         # Tap j reads window entry pos + j: input t + j - (W-1) when that is inside the sequence.
         from_x = pos + j >= WIDTH - 1                                  # (BLOCK_T,)
         x_tap = tl.load(x_tile + ((rows + (j - (WIDTH - 1))) * stride_x_t)[:, None] + col_x,
-                        mask=(mask_t & from_x)[:, None] & mask_c[None, :], other=0.0)
+                        mask=(mask_t & from_x & (offs_t >= WIDTH - 1 - j))[:, None] & mask_c[None, :], other=0.0)
         acc += x_tap.to(tl.float32) * w_taps[j][None, :]
 
     # Taps before a sequence's start read its initial window (zeros without one). Only a sequence's first W-1
@@ -107,6 +110,7 @@ def _causal_conv1d_fwd_kernel(
     slot = tl.load(state_indices_ptr + seq, mask=mask_t, other=0).to(tl.int64)
     has_initial = tl.load(has_initial_state_ptr + seq, mask=mask_t, other=0) != 0
     reads_state = mask_t & (pos < WIDTH - 1) & has_initial             # (BLOCK_T,)
+    reads_state = reads_state & (pos >= 0) & (slot >= 0) & (slot < n_slots)   # false unless indices are bad
     if tl.max(reads_state.to(tl.int32), axis=0) > 0:
         state_rows = conv_states_ptr + slot * stride_states_s          # (BLOCK_T,) int64 slot bases
         for j in tl.static_range(WIDTH - 1):
@@ -131,11 +135,13 @@ def _causal_conv1d_final_state_fwd_kernel(
     n_seqs, n_channels,
     stride_x_t, stride_x_c,
     stride_states_s, stride_states_c, stride_states_w,
+    n_tokens, n_slots,
     WIDTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Slot state_indices[b] <- last W-1 entries of sequence b's window [initial | inputs], for BLOCK_B sequences
-    and BLOCK_C channels. Every read comes before the one store (a new column may be an old one)."""
+    and BLOCK_C channels. Every read comes before the one store (a new column may be an old one). As in the
+    convolution, bad index values (checked after the launch) touch nothing outside x and the pool."""
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)       # (BLOCK_B,)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)       # (BLOCK_C,)
     offs_w = tl.arange(0, BLOCK_W)                                     # (BLOCK_W,) column of the new window
@@ -143,9 +149,6 @@ def _causal_conv1d_final_state_fwd_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    mask = (mask_b[:, None, None] & (offs_c < n_channels)[None, :, None]
-            & (offs_w < WIDTH - 1)[None, None, :])                     # (BLOCK_B, BLOCK_C, BLOCK_W)
-
     start = tl.load(cu_seqlens_ptr + offs_b, mask=mask_b, other=0)    # (BLOCK_B,)
     length = tl.load(cu_seqlens_ptr + offs_b + 1, mask=mask_b, other=0) - start
     slot = tl.load(state_indices_ptr + offs_b, mask=mask_b, other=0).to(tl.int64)
@@ -153,10 +156,14 @@ def _causal_conv1d_final_state_fwd_kernel(
 
     # New column i is window entry length + i: an input when it is >= W-1, else the old column length + i.
     entry = length[:, None] + offs_w[None, :]                          # (BLOCK_B, BLOCK_W)
+    in_pool = mask_b & (slot >= 0) & (slot < n_slots)                  # (BLOCK_B,) false only for bad slots
+    mask = (in_pool[:, None, None] & (offs_c < n_channels)[None, :, None]
+            & ((offs_w < WIDTH - 1)[None, :] & (entry >= 0))[:, None, :])   # (BLOCK_B, BLOCK_C, BLOCK_W)
     from_x = (entry >= WIDTH - 1)[:, None, :]                          # (BLOCK_B, 1, BLOCK_W)
     token = (start[:, None] + entry - (WIDTH - 1)).to(tl.int64)        # (BLOCK_B, BLOCK_W) packed index when from_x
+    in_x = ((token >= 0) & (token < n_tokens))[:, None, :]             # false only for bad cu_seqlens
     x_vals = tl.load(x_ptr + token[:, None, :] * stride_x_t + offs_c[None, :, None] * stride_x_c,
-                     mask=mask & from_x, other=0.0)
+                     mask=mask & from_x & in_x, other=0.0)
     state_base = (conv_states_ptr + (slot * stride_states_s)[:, None, None]
                   + offs_c[None, :, None] * stride_states_c)           # (BLOCK_B, BLOCK_C, 1)
     old_vals = tl.load(state_base + entry[:, None, :] * stride_states_w,
@@ -308,15 +315,43 @@ def _update_launch(n_rows: int, n_channels: int, device: torch.device) -> Update
     return UpdateLaunch(block_b=4, block_c=128, num_warps=4, pdl=False)
 
 
-def _check_index_values(cu_seqlens: torch.Tensor, state_indices: torch.Tensor, n_tokens: int, n_slots: int) -> None:
-    """cu_seqlens runs from 0 to T without decreasing; slots are distinct and inside the pool. One device-to-host
-    copy for both (a sync on a GPU)."""
-    values = torch.cat([cu_seqlens.long(), state_indices.long()]).tolist()
-    bounds, slots = values[:cu_seqlens.shape[0]], values[cu_seqlens.shape[0]:]
-    if bounds[0] != 0 or bounds[-1] != n_tokens or any(a > b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens: expected non-decreasing from 0 to T = {n_tokens}, got {bounds}")
-    if any(not 0 <= s < n_slots for s in slots) or len(set(slots)) != len(slots):
-        raise ValueError(f"state_indices: expected distinct slots in [0, {n_slots}), got {slots}")
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _index_check(cu_seqlens: torch.Tensor, state_indices: torch.Tensor, n_tokens: int,
+                 n_slots: int) -> Callable[[], None]:
+    """Starts reading cu_seqlens and state_indices back to the host and returns the check to call after the launch:
+    it waits for that copy alone and raises unless cu_seqlens runs from 0 to T without decreasing and the slots are
+    distinct and inside the pool. On a GPU the copy runs on a side stream behind the work already queued, so the
+    kernels queued meanwhile are not held up by a sync (the kernels mask bad values; a call that raises may have
+    written the named slots)."""
+    if cu_seqlens.device.type == "cuda":
+        device = cu_seqlens.device
+        side = _SIDE_STREAMS.get(device)
+        if side is None:
+            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))           # behind the work that made the indices
+        with torch.cuda.stream(side):
+            values = torch.cat([cu_seqlens.long(), state_indices.long()])   # (B+1 + B,)
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(side)
+        for t in (cu_seqlens, state_indices):
+            t.record_stream(side)                                      # read on the side stream
+    else:
+        host, copied = torch.cat([cu_seqlens.long(), state_indices.long()]), None
+
+    def check() -> None:
+        if copied is not None:
+            copied.synchronize()
+        listed = host.tolist()
+        bounds, slots = listed[:cu_seqlens.shape[0]], listed[cu_seqlens.shape[0]:]
+        if bounds[0] != 0 or bounds[-1] != n_tokens or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens: expected non-decreasing from 0 to T = {n_tokens}, got {bounds}")
+        if any(not 0 <= s < n_slots for s in slots) or len(set(slots)) != len(slots):
+            raise ValueError(f"state_indices: expected distinct slots in [0, {n_slots}), got {slots}")
+    return check
 
 
 def _tile_offsets_fit_int32(t: torch.Tensor, rows: int, cols: int) -> bool:
@@ -342,7 +377,9 @@ def causal_conv1d(
     has_initial_state (B,) bool. Slots not named are neither read nor written; a slot whose has_initial_state is
     False is not read. Returns out (T, C) = activation(conv(x) + bias), in x's dtype promoted with the weight's.
 
-    Checks the index values too (one device-to-host copy): prefill is not captured in CUDA graphs.
+    Checks the index values too (one device-to-host copy: prefill is not captured in CUDA graphs), after queueing
+    the kernels so that a GPU need not wait for the host: a call that raises for them may have written the slots
+    it names, never memory outside x, out and the pool.
     """
     apply_silu = _check_activation(activation)
     width = _check_conv_operands(x, weight, bias, conv_states, state_indices)
@@ -354,7 +391,7 @@ def causal_conv1d(
     _expect_dtype("has_initial_state", has_initial_state, (torch.bool,) + _INDEX_DTYPES)
     for name, t in (("cu_seqlens", cu_seqlens), ("has_initial_state", has_initial_state)):
         _expect(f"{name}.device", "the device of x,", x.device, t.device)
-    _check_index_values(cu_seqlens, state_indices, n_tokens, conv_states.shape[0])
+    check_indices = _index_check(cu_seqlens, state_indices, n_tokens, conv_states.shape[0])
     out = torch.empty((n_tokens, n_channels), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     launch = _prefill_launch(n_tokens, n_channels, x.device)
     if not _tile_offsets_fit_int32(x, launch.block_t + width, launch.block_c):
@@ -370,6 +407,7 @@ def causal_conv1d(
             bias_arg.stride(0),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
             out.stride(0), out.stride(1),
+            conv_states.shape[0],
             WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu, BLOCK_T=launch.block_t,
             BLOCK_C=launch.block_c, USE_PDL=launch.pdl, num_warps=launch.num_warps, launch_pdl=launch.pdl,
         )
@@ -380,9 +418,11 @@ def causal_conv1d(
             n_seqs, n_channels,
             x.stride(0), x.stride(1),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
+            n_tokens, conv_states.shape[0],
             WIDTH=width, BLOCK_B=block_b, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_C=block_c,
             USE_PDL=launch.pdl, launch_pdl=launch.pdl,
         )
+    check_indices()
     return out
 
 
