@@ -46,14 +46,13 @@ PREFILL_CANDIDATES = [
     PrefillLaunch(block_t=32, block_c=256, num_warps=4, state_block_b=1, state_block_c=256, pdl=False),
     PrefillLaunch(block_t=32, block_c=256, num_warps=4, state_block_b=1, state_block_c=1024, pdl=True),
 ]
-# (block_b, block_c, num_warps): 1 to 8 rows, 128 to 1024 channels, 1 to 8 warps (4 to 16 elements a thread);
-# then the two default tiles without PDL.
+# (block_b, block_c, num_warps): 1 to 8 rows, 128 to 1024 channels, 1 to 8 warps (4 to 32 elements a thread, 1 to
+# 4 rows a thread); then the default tiles without PDL.
 UPDATE_CANDIDATES = [
     *[UpdateLaunch(block_b=b, block_c=c, num_warps=w, pdl=True)
-      for b, c, w in ((1, 128, 1), (1, 256, 1), (1, 256, 2), (1, 512, 2), (1, 512, 4), (1, 1024, 4), (2, 256, 2),
-                      (2, 512, 4), (4, 256, 4), (8, 256, 8))],
-    UpdateLaunch(block_b=1, block_c=256, num_warps=1, pdl=False),
-    UpdateLaunch(block_b=2, block_c=256, num_warps=2, pdl=False),
+      for b, c, w in ((1, 128, 1), (1, 256, 1), (1, 256, 2), (1, 512, 2), (1, 512, 4), (1, 1024, 4), (2, 256, 1),
+                      (2, 256, 2), (2, 512, 2), (4, 256, 1), (4, 256, 4), (4, 512, 2), (8, 256, 2), (8, 256, 8))],
+    *[UpdateLaunch(block_b=b, block_c=256, num_warps=1, pdl=False) for b in (1, 2, 4)],
 ]
 CHOOSER = {"causal_conv1d": "_prefill_launch", "causal_conv1d_update": "_update_launch"}
 NO_INDEX_CHECK = "default, index check skipped"

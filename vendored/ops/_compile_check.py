@@ -123,9 +123,10 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
                   torch.tensor([True, False]))
     label("causal_conv1d_update, channel-last pool")
     causal_conv1d_update(randn(3, C), randn(4, W - 1, C).transpose(1, 2), randn(C, W), randn(C), index(1, -1, 2))
-    label("causal_conv1d_update, 64 rows")
-    causal_conv1d_update(randn(64, C), randn(66, W - 1, C).transpose(1, 2), randn(C, W), randn(C),
-                         torch.arange(64, dtype=torch.int32))
+    for rows in (64, 256):                                             # the row tiles of larger batches
+        label(f"causal_conv1d_update, {rows} rows")
+        causal_conv1d_update(randn(rows, C), randn(rows, W - 1, C).transpose(1, 2), randn(C, W), randn(C),
+                             torch.arange(rows, dtype=torch.int32))
 
     for state_dtype in (torch.float32, torch.bfloat16):
         pool = f"{str(state_dtype).removeprefix('torch.')} pool"

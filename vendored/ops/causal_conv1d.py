@@ -106,12 +106,13 @@ def _causal_conv1d_fwd_kernel(
         acc += x_tap.to(tl.float32) * w_taps[j][None, :]
 
     # Taps before a sequence's start read its initial window (zeros without one). Only a sequence's first W-1
-    # tokens have such taps, so most tiles skip this block.
-    slot = tl.load(state_indices_ptr + seq, mask=mask_t, other=0).to(tl.int64)
-    has_initial = tl.load(has_initial_state_ptr + seq, mask=mask_t, other=0) != 0
-    reads_state = mask_t & (pos < WIDTH - 1) & has_initial             # (BLOCK_T,)
-    reads_state = reads_state & (pos >= 0) & (slot >= 0) & (slot < n_slots)   # false unless indices are bad
-    if tl.max(reads_state.to(tl.int32), axis=0) > 0:
+    # tokens have such taps, so most tiles skip this block, and its loads.
+    near_start = mask_t & (pos < WIDTH - 1)                            # (BLOCK_T,)
+    if tl.max(near_start.to(tl.int32), axis=0) > 0:
+        slot = tl.load(state_indices_ptr + seq, mask=near_start, other=0).to(tl.int64)
+        has_initial = tl.load(has_initial_state_ptr + seq, mask=near_start, other=0) != 0
+        reads_state = mask_t & (pos < WIDTH - 1) & has_initial         # (BLOCK_T,)
+        reads_state = reads_state & (pos >= 0) & (slot >= 0) & (slot < n_slots)   # false unless indices are bad
         state_rows = conv_states_ptr + slot * stride_states_s          # (BLOCK_T,) int64 slot bases
         for j in tl.static_range(WIDTH - 1):
             # window entry pos + j < W-1 is column pos + j of the initial window
@@ -305,13 +306,12 @@ def _prefill_launch(n_tokens: int, n_channels: int, device: torch.device) -> Pre
 
 
 def _update_launch(n_rows: int, n_channels: int, device: torch.device) -> UpdateLaunch:
-    """GPU: 256 channels of one row per 1-warp program (8 channels a thread: 16-byte bf16 loads), two rows and two
-    warps per program from 16 rows on (half the programs, same work a thread). Interpreter: 4 rows and 128 channels,
-    so that test batches cross row blocks. bench/sweep_conv.py times the alternatives on a GPU."""
+    """GPU: 256 channels per 1-warp program (8 channels a thread: 16-byte bf16 loads) of 1 row below 16 rows, 2
+    below 128, 4 from there: a thread then loads its 8 channels' W weights (scalar loads, the weight being (C, W))
+    once for all its rows, while small batches keep enough programs to spread over the SMs. Interpreter: 4 rows and
+    128 channels, so that test batches cross row blocks. bench/sweep_conv.py times the alternatives on a GPU."""
     if device.type == "cuda":
-        if n_rows < 16:
-            return UpdateLaunch(block_b=1, block_c=256, num_warps=1, pdl=True)
-        return UpdateLaunch(block_b=2, block_c=256, num_warps=2, pdl=True)
+        return UpdateLaunch(block_b=1 if n_rows < 16 else 2 if n_rows < 128 else 4, block_c=256, num_warps=1, pdl=True)
     return UpdateLaunch(block_b=4, block_c=128, num_warps=4, pdl=False)
 
 
