@@ -37,14 +37,21 @@ from vendored.ops.causal_conv1d import PrefillLaunch, UpdateLaunch
 conv_module = importlib.import_module("vendored.ops.causal_conv1d")
 
 # (block_t, block_c, num_warps): tile heights from 8 to 128 tokens, widths from 64 to 512 channels, 1 to 8 warps
-# (8 to 128 elements a thread); then the default tile without PDL and with a wider final-window tile.
+# (8 to 128 elements a thread), programs along the channels; a few of them along the tokens; then the default tile
+# without PDL and with a wider final-window tile.
 PREFILL_CANDIDATES = [
-    *[PrefillLaunch(block_t=t, block_c=c, num_warps=w, state_block_b=1, state_block_c=256, pdl=True)
+    *[PrefillLaunch(block_t=t, block_c=c, num_warps=w, channels_fastest=True, state_block_b=1, state_block_c=256,
+                    pdl=True)
       for t, c, w in ((8, 256, 1), (16, 256, 2), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 256, 4),
                       (64, 256, 8), (32, 128, 2), (64, 128, 4), (128, 128, 8), (64, 64, 2), (16, 512, 4),
                       (32, 512, 8))],
-    PrefillLaunch(block_t=32, block_c=256, num_warps=4, state_block_b=1, state_block_c=256, pdl=False),
-    PrefillLaunch(block_t=32, block_c=256, num_warps=4, state_block_b=1, state_block_c=1024, pdl=True),
+    *[PrefillLaunch(block_t=t, block_c=c, num_warps=w, channels_fastest=False, state_block_b=1, state_block_c=256,
+                    pdl=True)
+      for t, c, w in ((16, 256, 2), (32, 256, 4), (64, 256, 8))],
+    PrefillLaunch(block_t=32, block_c=256, num_warps=4, channels_fastest=True, state_block_b=1, state_block_c=256,
+                  pdl=False),
+    PrefillLaunch(block_t=32, block_c=256, num_warps=4, channels_fastest=True, state_block_b=1, state_block_c=1024,
+                  pdl=True),
 ]
 # (block_b, block_c, num_warps): 1 to 8 rows, 128 to 1024 channels, 1 to 8 warps (4 to 32 elements a thread, 1 to
 # 4 rows a thread); then the default tiles without PDL.
@@ -106,7 +113,8 @@ def sweep_case(case: Case, a: argparse.Namespace, on_gpu: bool, deadline: float,
     record = dict(op=case.op, case=case.name, params=case.params, bytes=case.counts.bytes, rows=[])
     n_channels = (BAMBA_9B if on_gpu else SMOKE).conv_channels
     device = torch.device("cuda" if on_gpu else "cpu")
-    default = original(case.params["tokens"] if case.op == "causal_conv1d" else case.params["batch"], n_channels, device)
+    first = case.params["tokens"] if case.op == "causal_conv1d" else case.params["batch"]
+    default = original(first, n_channels, device)
     record["default"] = default._asdict()
     row, reference = run_candidate(case, impls["ours"], "default", a, on_gpu, None)
     record["rows"].append(dict(row, config=default._asdict(), is_default=True))
@@ -167,8 +175,9 @@ def ranking(records: list[dict], op: str) -> list[tuple[str, float, int]]:
 
 def markdown(records: list[dict], meta: dict) -> str:
     lines = [f"Conv launch sweep, {meta['date']}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}.",
-             "", "Candidates are (block_t, block_c, num_warps, state_block_b, state_block_c, pdl) for causal_conv1d "
-             "and (block_b, block_c, num_warps, pdl) for causal_conv1d_update; ratio = ms / default ms.", ""]
+             "", "Candidates are (block_t, block_c, num_warps, channels_fastest, state_block_b, state_block_c, pdl) "
+             "for causal_conv1d and (block_b, block_c, num_warps, pdl) for causal_conv1d_update; ratio = ms / "
+             "default ms.", ""]
     for op in CHOOSER:
         ranked = ranking(records, op)
         if ranked:

@@ -3,12 +3,16 @@ state slot, and every slot not named left bit-identical."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from reference.ops import causal_conv1d_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
 from vendored.ops.causal_conv1d import causal_conv1d
+
+conv_module = importlib.import_module("vendored.ops.causal_conv1d")  # vendored.ops re-exports the function by that name
 
 K = 2.0
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
@@ -104,6 +108,16 @@ def test_five_sequences_boundaries_anywhere(n_groups):
 def test_pieces_shorter_than_window_keep_old_window():
     # Every piece is shorter than W-1, so each new window is part old window, part new inputs.
     run_and_check([1, 2, 1, 2, 1], [True, True, False, True, True], seed=1)
+
+
+@pytest.mark.parametrize("channels_fastest", [True, False], ids=["channels_fastest", "tokens_fastest"])
+def test_either_program_order(channels_fastest, monkeypatch):
+    # A GPU may take the tiles in either order (_prefill_launch); here both, with tiles small enough that this batch
+    # spans 6 token blocks and 2 channel blocks.
+    choose = conv_module._prefill_launch
+    monkeypatch.setattr(conv_module, "_prefill_launch", lambda *args: choose(*args)._replace(
+        block_t=16, block_c=64, channels_fastest=channels_fastest))
+    run_and_check([1, 2, 60, 2, 31], [True, False, True, True, False], n_channels=channels(2), seed=10)
 
 
 def test_one_sequence_in_a_large_pool_without_initial_state():

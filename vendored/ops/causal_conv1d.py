@@ -53,17 +53,24 @@ def _causal_conv1d_fwd_kernel(
     stride_out_t, stride_out_c,
     n_slots,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, CHANNELS_FASTEST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One (BLOCK_T packed tokens, BLOCK_C channels) tile of out; a tile may straddle sequence boundaries.
+    CHANNELS_FASTEST: consecutive programs take consecutive channel blocks of the same tokens (whole rows of x
+    read together), else consecutive token blocks of the same channels.
 
     Tap j of token t reads input t + j - (W-1): the same tile shifted up by W-1-j rows, so the W loads of a tile
     overlap and all but the first come from L1/L2. Addresses are a per-tile int64 base plus int32 offsets inside
     the tile (the host keeps those below 2^31). The host checks the index values only after the launch, so bad
     ones must not make the kernel touch memory outside x, out and the pool: the masks keep every input row >= 0
     and every state read inside its slot, and slots inside the pool."""
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    pid = tl.program_id(0)                                             # one grid axis: no 65535 limit
+    if CHANNELS_FASTEST:
+        n_blocks_c = tl.cdiv(n_channels, BLOCK_C)
+        pid_t, pid_c = pid // n_blocks_c, pid % n_blocks_c
+    else:
+        n_blocks_t = tl.cdiv(n_tokens, BLOCK_T)
+        pid_t, pid_c = pid % n_blocks_t, pid // n_blocks_t
     t0 = pid_t * BLOCK_T                                               # first token of the tile
     c0 = pid_c * BLOCK_C
     rows = tl.arange(0, BLOCK_T)                                       # (BLOCK_T,) token inside the tile
@@ -275,12 +282,14 @@ def _check_conv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 class PrefillLaunch(NamedTuple):
-    """Launch parameters of causal_conv1d: the convolution's (block_t tokens, block_c channels) tile and warps, the
-    final-window kernel's (state_block_b sequences, state_block_c channels) tile, and programmatic dependent launch
-    (each kernel may start while the previous one finishes; it waits for that one's writes before touching memory)."""
+    """Launch parameters of causal_conv1d: the convolution's (block_t tokens, block_c channels) tile, warps and
+    program order (channels_fastest: consecutive programs along a row of x), the final-window kernel's
+    (state_block_b sequences, state_block_c channels) tile, and programmatic dependent launch (each kernel may start
+    while the previous one finishes; it waits for that one's writes before touching memory)."""
     block_t: int
     block_c: int
     num_warps: int
+    channels_fastest: bool
     state_block_b: int
     state_block_c: int
     pdl: bool
@@ -297,12 +306,15 @@ class UpdateLaunch(NamedTuple):
 
 def _prefill_launch(n_tokens: int, n_channels: int, device: torch.device) -> PrefillLaunch:
     """GPU: 32 x 256 tiles of 4 warps (64 elements a thread, 16-byte loads along the channels; 2K tokens of 8448
-    channels make 2112 programs, 16 per H200 SM), one sequence per final-window program. Interpreter, where every
-    program costs the same fixed time whatever its size: 64 x 128 tiles and 4 sequences a program, smaller than the
-    test shapes so that tests cross tile edges. bench/sweep_conv.py times the alternatives on a GPU."""
+    channels make 2112 programs, 16 per H200 SM), consecutive programs along the channels (whole rows of x at a
+    time), one sequence per final-window program. Interpreter, where every program costs the same fixed time
+    whatever its size: 64 x 128 tiles and 4 sequences a program, smaller than the test shapes so that tests cross
+    tile edges. bench/sweep_conv.py times the alternatives on a GPU."""
     if device.type == "cuda":
-        return PrefillLaunch(block_t=32, block_c=256, num_warps=4, state_block_b=1, state_block_c=256, pdl=True)
-    return PrefillLaunch(block_t=64, block_c=128, num_warps=4, state_block_b=4, state_block_c=128, pdl=False)
+        return PrefillLaunch(block_t=32, block_c=256, num_warps=4, channels_fastest=True, state_block_b=1,
+                             state_block_c=256, pdl=True)
+    return PrefillLaunch(block_t=64, block_c=128, num_warps=4, channels_fastest=True, state_block_b=4,
+                         state_block_c=128, pdl=False)
 
 
 def _update_launch(n_rows: int, n_channels: int, device: torch.device) -> UpdateLaunch:
@@ -398,7 +410,7 @@ def causal_conv1d(
         x = x.contiguous()                                             # a stride so large is no layout to optimise
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
     if n_tokens > 0:
-        grid = (triton.cdiv(n_tokens, launch.block_t), triton.cdiv(n_channels, launch.block_c))
+        grid = (triton.cdiv(n_tokens, launch.block_t) * triton.cdiv(n_channels, launch.block_c),)
         _causal_conv1d_fwd_kernel[grid](
             x, weight, bias_arg, conv_states, cu_seqlens, state_indices, has_initial_state, out,
             n_tokens, n_channels, n_seqs, (n_seqs - 1).bit_length(),
@@ -409,7 +421,8 @@ def causal_conv1d(
             out.stride(0), out.stride(1),
             conv_states.shape[0],
             WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu, BLOCK_T=launch.block_t,
-            BLOCK_C=launch.block_c, USE_PDL=launch.pdl, num_warps=launch.num_warps, launch_pdl=launch.pdl,
+            BLOCK_C=launch.block_c, CHANNELS_FASTEST=launch.channels_fastest, USE_PDL=launch.pdl,
+            num_warps=launch.num_warps, launch_pdl=launch.pdl,
         )
     if n_seqs > 0:
         block_b, block_c = launch.state_block_b, launch.state_block_c
