@@ -36,30 +36,33 @@ from vendored.ops.causal_conv1d import PrefillLaunch, UpdateLaunch
 # the module itself (vendored.ops re-exports its function under the module's name)
 conv_module = importlib.import_module("vendored.ops.causal_conv1d")
 
-# (block_t, block_c, num_warps): tile heights from 8 to 128 tokens, widths from 64 to 512 channels, 1 to 8 warps
-# (8 to 128 elements a thread), programs along the channels; a few of them along the tokens; then the default tile
-# without PDL and with a wider final-window tile.
+# 2-D tiles (block_t, block_c, num_warps): 16 to 64 tokens, 128 to 512 channels, 2 to 8 warps (16 to 64 elements a
+# thread), programs along the channels; two along the tokens. Row kernel (block_t, block_c, num_warps,
+# rows_per_step): 13 to 125 tokens a program (block_t + 3 a multiple of the step where it can be), 2 to 8 channels
+# a thread, 2 to 8 rows in flight. Then the default without PDL and with a wider final-window tile.
+def _prefill(block_t, block_c, num_warps, channels_fastest=True, rows_per_step=0, state_block_c=256, pdl=True):
+    return PrefillLaunch(block_t=block_t, block_c=block_c, num_warps=num_warps, channels_fastest=channels_fastest,
+                         rows_per_step=rows_per_step, state_block_b=1, state_block_c=state_block_c, pdl=pdl)
+
+
 PREFILL_CANDIDATES = [
-    *[PrefillLaunch(block_t=t, block_c=c, num_warps=w, channels_fastest=True, state_block_b=1, state_block_c=256,
-                    pdl=True)
-      for t, c, w in ((8, 256, 1), (16, 256, 2), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 256, 4),
-                      (64, 256, 8), (32, 128, 2), (64, 128, 4), (128, 128, 8), (64, 64, 2), (16, 512, 4),
-                      (32, 512, 8))],
-    *[PrefillLaunch(block_t=t, block_c=c, num_warps=w, channels_fastest=False, state_block_b=1, state_block_c=256,
-                    pdl=True)
-      for t, c, w in ((16, 256, 2), (32, 256, 4), (64, 256, 8))],
-    PrefillLaunch(block_t=32, block_c=256, num_warps=4, channels_fastest=True, state_block_b=1, state_block_c=256,
-                  pdl=False),
-    PrefillLaunch(block_t=32, block_c=256, num_warps=4, channels_fastest=True, state_block_b=1, state_block_c=1024,
-                  pdl=True),
+    *[_prefill(t, c, w) for t, c, w in ((16, 256, 2), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 256, 8),
+                                        (32, 128, 2), (16, 512, 4))],
+    *[_prefill(t, c, w, channels_fastest=False) for t, c, w in ((16, 256, 4), (32, 256, 8))],
+    *[_prefill(t, c, w, rows_per_step=r) for t, c, w, r in ((29, 256, 1, 8), (61, 256, 1, 8), (125, 256, 1, 8),
+                                                            (13, 256, 1, 4), (29, 256, 1, 4), (29, 256, 2, 4),
+                                                            (29, 128, 1, 2), (61, 512, 2, 8), (61, 256, 4, 8))],
+    _prefill(29, 256, 1, channels_fastest=False, rows_per_step=8),
+    _prefill(29, 256, 1, rows_per_step=8, pdl=False),
+    _prefill(29, 256, 1, rows_per_step=8, state_block_c=1024),
 ]
-# (block_b, block_c, num_warps): 1 to 8 rows, 128 to 1024 channels, 1 to 8 warps (4 to 32 elements a thread, 1 to
-# 4 rows a thread); then the default tiles without PDL.
+# (block_b, block_c, num_warps): 1 to 8 rows, 128 to 1024 channels, 1 to 4 warps (4 to 32 elements a thread, 1 to
+# 4 rows a thread); then two of the default tiles without PDL.
 UPDATE_CANDIDATES = [
     *[UpdateLaunch(block_b=b, block_c=c, num_warps=w, pdl=True)
-      for b, c, w in ((1, 128, 1), (1, 256, 1), (1, 256, 2), (1, 512, 2), (1, 512, 4), (1, 1024, 4), (2, 256, 1),
-                      (2, 256, 2), (2, 512, 2), (4, 256, 1), (4, 256, 4), (4, 512, 2), (8, 256, 2), (8, 256, 8))],
-    *[UpdateLaunch(block_b=b, block_c=256, num_warps=1, pdl=False) for b in (1, 2, 4)],
+      for b, c, w in ((1, 128, 1), (1, 256, 1), (1, 256, 2), (1, 512, 2), (1, 1024, 4), (2, 256, 1), (2, 256, 2),
+                      (4, 256, 1), (4, 256, 4), (8, 256, 2))],
+    *[UpdateLaunch(block_b=b, block_c=256, num_warps=1, pdl=False) for b in (1, 4)],
 ]
 CHOOSER = {"causal_conv1d": "_prefill_launch", "causal_conv1d_update": "_update_launch"}
 NO_INDEX_CHECK = "default, index check skipped"
@@ -75,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=float, default=20.0, help="do_bench measuring time")
     p.add_argument("--graph-calls", type=int, default=20, help="calls captured in one CUDA graph")
     p.add_argument("--graph-replays", type=int, default=10, help="timed replays of that graph")
+    p.add_argument("--only", default="", help="comma-separated ops to sweep (default: both)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -175,7 +179,8 @@ def ranking(records: list[dict], op: str) -> list[tuple[str, float, int]]:
 
 def markdown(records: list[dict], meta: dict) -> str:
     lines = [f"Conv launch sweep, {meta['date']}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}.",
-             "", "Candidates are (block_t, block_c, num_warps, channels_fastest, state_block_b, state_block_c, pdl) "
+             "", "Candidates are (block_t, block_c, num_warps, channels_fastest, rows_per_step, state_block_b, "
+             "state_block_c, pdl) "
              "for causal_conv1d and (block_b, block_c, num_warps, pdl) for causal_conv1d_update; ratio = ms / "
              "default ms.", ""]
     for op in CHOOSER:
@@ -215,7 +220,8 @@ def main(argv=None) -> int:
                 torch=torch.__version__, triton=triton.__version__, args=vars(a))
     records, failed = [], []
     with torch.inference_mode():
-        for case in sweep_cases(setup, peers, a.smoke):
+        only = {op for op in a.only.split(",") if op}
+        for case in [c for c in sweep_cases(setup, peers, a.smoke) if not only or c.op in only]:
             try:
                 records.append(sweep_case(case, a, on_gpu, t_start + a.budget, log))
             except Exception as e:                                   # the default itself failed: the other cases go on

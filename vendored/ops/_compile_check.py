@@ -123,6 +123,18 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
                   torch.tensor([True, False]))
     label("causal_conv1d_update, channel-last pool")
     causal_conv1d_update(randn(3, C), randn(4, W - 1, C).transpose(1, 2), randn(C, W), randn(C), index(1, -1, 2))
+    # the other prefill kernel, a launch choice bench/sweep_conv.py times: 2-D tiles (rows_per_step = 0)
+    conv_module = importlib.import_module("vendored.ops.causal_conv1d")
+    choose = conv_module._prefill_launch
+    conv_module._prefill_launch = lambda *args: choose(*args)._replace(rows_per_step=0, block_t=32, num_warps=4)
+    try:
+        for cl_pool in (False, True):
+            label(f"causal_conv1d, 2-D tiles{', channel-last pool' if cl_pool else ''}")
+            pool = randn(4, W - 1, C).transpose(1, 2) if cl_pool else randn(4, C, W - 1)
+            causal_conv1d(randn(7, C), randn(C, W), randn(C), pool, index(0, 2, 7), index(1, 3),
+                          torch.tensor([True, False]))
+    finally:
+        conv_module._prefill_launch = choose
     for rows in (64, 256):                                             # the row tiles of larger batches
         label(f"causal_conv1d_update, {rows} rows")
         causal_conv1d_update(randn(rows, C), randn(rows, W - 1, C).transpose(1, 2), randn(C, W), randn(C),

@@ -106,10 +106,11 @@ def _causal_conv1d_fwd_kernel(
     col_x = (cols * stride_x_c)[None, :]                               # (1, BLOCK_C)
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(WIDTH):
-        # Tap j reads window entry pos + j: input t + j - (W-1) when that is inside the sequence.
-        from_x = pos + j >= WIDTH - 1                                  # (BLOCK_T,)
+        # Tap j reads window entry pos + j: input t + j - (W-1) when that is inside the sequence, as it is for
+        # every token but a sequence's first W-1 (whose tiles are redone below). So these loads need not wait for
+        # the search.
         x_tap = tl.load(x_tile + ((rows + (j - (WIDTH - 1))) * stride_x_t)[:, None] + col_x,
-                        mask=(mask_t & from_x & (offs_t >= WIDTH - 1 - j))[:, None] & mask_c[None, :], other=0.0)
+                        mask=(mask_t & (offs_t >= WIDTH - 1 - j))[:, None] & mask_c[None, :], other=0.0)
         acc += x_tap.to(tl.float32) * w_taps[j][None, :]
 
     # Taps before a sequence's start read its initial window (zeros without one). Only a sequence's first W-1
@@ -121,12 +122,21 @@ def _causal_conv1d_fwd_kernel(
         reads_state = mask_t & (pos < WIDTH - 1) & has_initial         # (BLOCK_T,)
         reads_state = reads_state & (pos >= 0) & (slot >= 0) & (slot < n_slots)   # false unless indices are bad
         state_rows = conv_states_ptr + slot * stride_states_s          # (BLOCK_T,) int64 slot bases
-        for j in tl.static_range(WIDTH - 1):
-            # window entry pos + j < W-1 is column pos + j of the initial window
-            s_tap = tl.load(state_rows[:, None] + (offs_c * stride_states_c)[None, :]
-                            + ((pos + j) * stride_states_w)[:, None],
-                            mask=(reads_state & (pos + j < WIDTH - 1))[:, None] & mask_c[None, :], other=0.0)
-            acc += s_tap.to(tl.float32) * w_taps[j][None, :]
+        # The tile again, each tap now its input or its initial-window entry: every output the same sum, in the
+        # same order, as without initial windows (and as in the row kernel), so launch choices agree bit for bit.
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            x_tap = tl.load(x_tile + ((rows + (j - (WIDTH - 1))) * stride_x_t)[:, None] + col_x,
+                            mask=(mask_t & (offs_t >= WIDTH - 1 - j))[:, None] & mask_c[None, :], other=0.0)
+            from_x = pos + j >= WIDTH - 1                              # (BLOCK_T,)
+            tap = tl.where(from_x[:, None], x_tap.to(tl.float32), 0.0)
+            if j < WIDTH - 1:
+                # window entry pos + j < W-1 is column pos + j of the initial window
+                s_tap = tl.load(state_rows[:, None] + (offs_c * stride_states_c)[None, :]
+                                + ((pos + j) * stride_states_w)[:, None],
+                                mask=(reads_state & (pos + j < WIDTH - 1))[:, None] & mask_c[None, :], other=0.0)
+                tap += s_tap.to(tl.float32)
+            acc += tap * w_taps[j][None, :]
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
@@ -135,6 +145,98 @@ def _causal_conv1d_fwd_kernel(
     out_tile = out_ptr + t0.to(tl.int64) * stride_out_t + c0.to(tl.int64) * stride_out_c
     tl.store(out_tile + (rows * stride_out_t)[:, None] + (cols * stride_out_c)[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _causal_conv1d_rows_fwd_kernel(
+    x_ptr, weight_ptr, bias_ptr, conv_states_ptr, cu_seqlens_ptr, state_indices_ptr, has_initial_state_ptr,
+    out_ptr,
+    n_tokens, n_channels, n_seqs, n_search_steps,
+    stride_x_t, stride_x_c,
+    stride_weight_c, stride_weight_w,
+    stride_bias_c,
+    stride_states_s, stride_states_c, stride_states_w,
+    stride_out_t, stride_out_c,
+    n_slots,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ROWS_PER_STEP: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The same outputs as _causal_conv1d_fwd_kernel (bit for bit), computed row after row: tokens t0..t0+BLOCK_T-1
+    for BLOCK_C channels, the window (the W-1 entries before the current token) carried in registers. Each input
+    row is loaded once (and the W-1 before the block once more), ROWS_PER_STEP rows at a time so that their loads
+    are in flight together; at a sequence's first token the window becomes its initial window (zeros without one)."""
+    pid = tl.program_id(0)
+    if CHANNELS_FASTEST:
+        n_blocks_c = tl.cdiv(n_channels, BLOCK_C)
+        pid_t, pid_c = pid // n_blocks_c, pid % n_blocks_c
+    else:
+        n_blocks_t = tl.cdiv(n_tokens, BLOCK_T)
+        pid_t, pid_c = pid % n_blocks_t, pid // n_blocks_t
+    t0 = pid_t * BLOCK_T
+    t_end = tl.minimum(t0 + BLOCK_T, n_tokens)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                  # (BLOCK_C,)
+    mask_c = offs_c < n_channels
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    w_taps = ()
+    for j in tl.static_range(WIDTH):
+        w_j = tl.load(weight_ptr + offs_c * stride_weight_c + j * stride_weight_w, mask=mask_c, other=0.0)
+        w_taps = w_taps + (w_j.to(tl.float32),)                        # W x (BLOCK_C,)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)
+
+    # The sequence b of token t0 (largest b with cu_seqlens[b] <= t0), then start W-1 rows earlier, or at b's start.
+    lo = 0
+    hi = n_seqs
+    for _ in range(n_search_steps):
+        mid = (lo + hi) // 2
+        go_right = tl.load(cu_seqlens_ptr + mid) <= t0
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo
+    seq_start = tl.load(cu_seqlens_ptr + seq)
+    next_start = tl.load(cu_seqlens_ptr + seq + 1)
+    t = tl.maximum(t0 - (WIDTH - 1), seq_start)
+    window = ()
+    for j in tl.static_range(WIDTH - 1):
+        window = window + (tl.zeros([BLOCK_C], dtype=tl.float32),)    # W-1 x (BLOCK_C,); set before it is read
+    x_cols = x_ptr + offs_c * stride_x_c
+    out_cols = out_ptr + offs_c * stride_out_c
+    state_cols = conv_states_ptr + offs_c * stride_states_c
+    while t < t_end:
+        x_rows = ()
+        for u in tl.static_range(ROWS_PER_STEP):
+            x_row = tl.load(x_cols + (t + u).to(tl.int64) * stride_x_t, mask=mask_c & (t + u < t_end), other=0.0)
+            x_rows = x_rows + (x_row,)
+        for u in tl.static_range(ROWS_PER_STEP):
+            if t + u < t_end:
+                while (next_start <= t + u) & (seq < n_seqs - 1):      # into the next sequence (past empty ones)
+                    seq += 1
+                    seq_start = next_start
+                    next_start = tl.load(cu_seqlens_ptr + seq + 1)
+                if t + u == seq_start:                                 # a sequence's first token: its initial window
+                    slot = tl.load(state_indices_ptr + seq).to(tl.int64)
+                    reads = (tl.load(has_initial_state_ptr + seq) != 0) & (slot >= 0) & (slot < n_slots)
+                    window = ()
+                    for j in tl.static_range(WIDTH - 1):
+                        column = tl.load(state_cols + slot * stride_states_s + j * stride_states_w,
+                                         mask=mask_c & reads, other=0.0)
+                        window = window + (column.to(tl.float32),)
+                x_now = x_rows[u].to(tl.float32)
+                acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+                for j in tl.static_range(WIDTH - 1):
+                    acc += window[j] * w_taps[j]
+                acc += x_now * w_taps[WIDTH - 1]
+                if HAS_BIAS:
+                    acc += bias
+                if APPLY_SILU:
+                    acc = _silu(acc)
+                tl.store(out_cols + (t + u).to(tl.int64) * stride_out_t, acc.to(out_ptr.dtype.element_ty),
+                         mask=mask_c & (t + u >= t0))                  # rows before t0 only fill the window
+                window = window[1:] + (x_now,)
+        t += ROWS_PER_STEP
 
 
 @triton.jit
@@ -204,10 +306,12 @@ def _causal_conv1d_update_fwd_kernel(
         tl.extra.cuda.gdc_wait()                                       # the previous kernel's writes are visible
         tl.extra.cuda.gdc_launch_dependents()                          # the next one may start (and wait likewise)
     slot = tl.load(state_indices_ptr + offs_b, mask=mask_b, other=pad_slot_id).to(tl.int64)
-    # A padding row reads and writes no slot (nor its input) and outputs 0.
+    # A padding row reads and writes no slot and outputs 0. (Its input is loaded with the others, not waiting for
+    # the slot, and left unused.)
     live = mask_b & (slot != pad_slot_id)                              # (BLOCK_B,)
     live_c = live[:, None] & mask_c[None, :]                           # (BLOCK_B, BLOCK_C)
-    x_new = tl.load(x_ptr + offs_b[:, None] * stride_x_b + offs_c[None, :] * stride_x_c, mask=live_c, other=0.0)
+    x_new = tl.load(x_ptr + offs_b[:, None] * stride_x_b + offs_c[None, :] * stride_x_c,
+                    mask=mask_b[:, None] & mask_c[None, :], other=0.0)
     state_base = (conv_states_ptr + (slot * stride_states_s)[:, None]
                   + (offs_c * stride_states_c)[None, :])               # (BLOCK_B, BLOCK_C) column 0 of each slot
     # window (C, W) = [old columns 0..W-2 | x]
@@ -282,14 +386,16 @@ def _check_conv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 class PrefillLaunch(NamedTuple):
-    """Launch parameters of causal_conv1d: the convolution's (block_t tokens, block_c channels) tile, warps and
-    program order (channels_fastest: consecutive programs along a row of x), the final-window kernel's
+    """Launch parameters of causal_conv1d: the convolution's (block_t tokens, block_c channels) tile, warps,
+    program order (channels_fastest: consecutive programs along a row of x) and kernel (rows_per_step 0: 2-D tiles,
+    _causal_conv1d_fwd_kernel; else _causal_conv1d_rows_fwd_kernel, that many rows a step), the final-window kernel's
     (state_block_b sequences, state_block_c channels) tile, and programmatic dependent launch (each kernel may start
     while the previous one finishes; it waits for that one's writes before touching memory)."""
     block_t: int
     block_c: int
     num_warps: int
     channels_fastest: bool
+    rows_per_step: int
     state_block_b: int
     state_block_c: int
     pdl: bool
@@ -305,16 +411,18 @@ class UpdateLaunch(NamedTuple):
 
 
 def _prefill_launch(n_tokens: int, n_channels: int, device: torch.device) -> PrefillLaunch:
-    """GPU: 32 x 256 tiles of 4 warps (64 elements a thread, 16-byte loads along the channels; 2K tokens of 8448
-    channels make 2112 programs, 16 per H200 SM), consecutive programs along the channels (whole rows of x at a
-    time), one sequence per final-window program. Interpreter, where every program costs the same fixed time
-    whatever its size: 64 x 128 tiles and 4 sequences a program, smaller than the test shapes so that tests cross
-    tile edges. bench/sweep_conv.py times the alternatives on a GPU."""
+    """GPU: the row kernel, 256 channels a 1-warp program (8 a thread: 16-byte bf16 loads), 8 rows in flight a step,
+    29 tokens a program (with the W-1 = 3 rows before them, 32 rows: 4 whole steps). It loads every input once and
+    needs ~128 registers a thread without spilling, where the 2-D tiles load each input W times (from L1/L2 after the
+    first) and a 32 x 256 tile of 4 warps needs 255 and spills (ptxas -v, sm_90). One sequence per final-window
+    program. Interpreter, where every program costs the same fixed time whatever its size: 64 x 128 2-D tiles and 4
+    sequences a program, smaller than the test shapes so that tests cross tile edges (tests run the row kernel too).
+    bench/sweep_conv.py times the alternatives on a GPU."""
     if device.type == "cuda":
-        return PrefillLaunch(block_t=32, block_c=256, num_warps=4, channels_fastest=True, state_block_b=1,
-                             state_block_c=256, pdl=True)
-    return PrefillLaunch(block_t=64, block_c=128, num_warps=4, channels_fastest=True, state_block_b=4,
-                         state_block_c=128, pdl=False)
+        return PrefillLaunch(block_t=29, block_c=256, num_warps=1, channels_fastest=True, rows_per_step=8,
+                             state_block_b=1, state_block_c=256, pdl=True)
+    return PrefillLaunch(block_t=64, block_c=128, num_warps=4, channels_fastest=True, rows_per_step=0,
+                         state_block_b=4, state_block_c=128, pdl=False)
 
 
 def _update_launch(n_rows: int, n_channels: int, device: torch.device) -> UpdateLaunch:
@@ -411,7 +519,9 @@ def causal_conv1d(
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
     if n_tokens > 0:
         grid = (triton.cdiv(n_tokens, launch.block_t) * triton.cdiv(n_channels, launch.block_c),)
-        _causal_conv1d_fwd_kernel[grid](
+        rows = {"ROWS_PER_STEP": launch.rows_per_step} if launch.rows_per_step else {}
+        kernel = _causal_conv1d_rows_fwd_kernel if launch.rows_per_step else _causal_conv1d_fwd_kernel
+        kernel[grid](
             x, weight, bias_arg, conv_states, cu_seqlens, state_indices, has_initial_state, out,
             n_tokens, n_channels, n_seqs, (n_seqs - 1).bit_length(),
             x.stride(0), x.stride(1),
@@ -422,7 +532,7 @@ def causal_conv1d(
             conv_states.shape[0],
             WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu, BLOCK_T=launch.block_t,
             BLOCK_C=launch.block_c, CHANNELS_FASTEST=launch.channels_fastest, USE_PDL=launch.pdl,
-            num_warps=launch.num_warps, launch_pdl=launch.pdl,
+            num_warps=launch.num_warps, launch_pdl=launch.pdl, **rows,
         )
     if n_seqs > 0:
         block_b, block_c = launch.state_block_b, launch.state_block_c
