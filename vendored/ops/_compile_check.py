@@ -117,6 +117,8 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
         label(f"causal_conv1d_update, {what}")
         causal_conv1d_update(randn(3, C), randn(4, C, W - 1), randn(C, W), bias, index(1, -1, 2),
                              activation=activation)
+    label("causal_conv1d, one sequence")                              # n_seqs == 1 is specialised: no search
+    causal_conv1d(randn(7, C), randn(C, W), randn(C), randn(4, C, W - 1), index(0, 7), index(2), torch.tensor([True]))
     # the channel-last pool (S, W-1, C) seen as (S, C, W-1), vLLM's layout and the benchmark's: other strides
     label("causal_conv1d, channel-last pool")
     causal_conv1d(randn(7, C), randn(C, W), randn(C), randn(4, W - 1, C).transpose(1, 2), index(0, 2, 7), index(1, 3),
@@ -133,6 +135,9 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
             pool = randn(4, W - 1, C).transpose(1, 2) if cl_pool else randn(4, C, W - 1)
             causal_conv1d(randn(7, C), randn(C, W), randn(C), pool, index(0, 2, 7), index(1, 3),
                           torch.tensor([True, False]))
+        label("causal_conv1d, 2-D tiles, one sequence")
+        causal_conv1d(randn(7, C), randn(C, W), randn(C), randn(4, C, W - 1), index(0, 7), index(2),
+                      torch.tensor([True]))
     finally:
         conv_module._prefill_launch = choose
     for rows in (64, 256):                                             # the row tiles of larger batches
