@@ -208,7 +208,8 @@ def _causal_conv1d_rows_fwd_kernel(
     while t < t_end:
         x_rows = ()
         for u in tl.static_range(ROWS_PER_STEP):
-            x_row = tl.load(x_cols + (t + u).to(tl.int64) * stride_x_t, mask=mask_c & (t + u < t_end), other=0.0)
+            row_ok = (t + u >= 0) & (t + u < t_end)                    # >= 0 unless cu_seqlens is bad
+            x_row = tl.load(x_cols + (t + u).to(tl.int64) * stride_x_t, mask=mask_c & row_ok, other=0.0)
             x_rows = x_rows + (x_row,)
         for u in tl.static_range(ROWS_PER_STEP):
             if t + u < t_end:
