@@ -148,11 +148,11 @@ def test_row_kernel_equals_tiles_bit_for_bit(monkeypatch):
     # batch has empty sequences too (which the twin cannot take): the kernels find sequences in two different ways.
     gen = torch.Generator().manual_seed(16)
     c = channels(2)
-    x, weight, bias = conv_inputs(gen, 40, c, W, with_bias=True, strided=False)
-    pool = torch.randn(8, c, W - 1, generator=gen)
-    index = dict(cu_seqlens=torch.tensor([0, 0, 1, 3, 3, 20, 40, 40], dtype=torch.int32),
-                 state_indices=torch.tensor([1, 4, 0, 3, 2, 5, 6], dtype=torch.int32),
-                 has_initial_state=torch.tensor([True, True, False, True, True, True, False]))
+    x, weight, bias = (t.to(DEVICE) for t in conv_inputs(gen, 40, c, W, with_bias=True, strided=False))
+    pool = torch.randn(8, c, W - 1, generator=gen).to(DEVICE)
+    index = dict(cu_seqlens=torch.tensor([0, 0, 1, 3, 3, 20, 40, 40], dtype=torch.int32, device=DEVICE),
+                 state_indices=torch.tensor([1, 4, 0, 3, 2, 5, 6], dtype=torch.int32, device=DEVICE),
+                 has_initial_state=torch.tensor([True, True, False, True, True, True, False], device=DEVICE))
     results = []
     for rows_per_step in (0, 4):
         launch_with(monkeypatch, block_t=16, block_c=64, rows_per_step=rows_per_step)
