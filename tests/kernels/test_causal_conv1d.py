@@ -3,12 +3,16 @@ state slot, and every slot not named left bit-identical."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from reference.ops import causal_conv1d_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
 from vendored.ops.causal_conv1d import causal_conv1d
+
+conv_module = importlib.import_module("vendored.ops.causal_conv1d")  # vendored.ops re-exports the function by that name
 
 K = 2.0
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
@@ -106,6 +110,59 @@ def test_pieces_shorter_than_window_keep_old_window():
     run_and_check([1, 2, 1, 2, 1], [True, True, False, True, True], seed=1)
 
 
+def launch_with(monkeypatch, **changes) -> None:
+    """Make causal_conv1d launch with `changes` applied to its usual choice (a choice a GPU may make)."""
+    choose = conv_module._prefill_launch
+    monkeypatch.setattr(conv_module, "_prefill_launch", lambda *args: choose(*args)._replace(**changes))
+
+
+# Tiles small enough that the batch spans 6 token blocks and 2 channel blocks; 2-D tiles or the row kernel.
+LAUNCHES = {"tiles_channels_fastest": dict(block_t=16, block_c=64, channels_fastest=True),
+            "tiles_tokens_fastest": dict(block_t=16, block_c=64, channels_fastest=False),
+            "rows_channels_fastest": dict(block_t=16, block_c=64, channels_fastest=True, rows_per_step=4),
+            "rows_tokens_fastest": dict(block_t=8, block_c=64, channels_fastest=False, rows_per_step=3)}
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_other_launch_choices(launch, monkeypatch):
+    launch_with(monkeypatch, **LAUNCHES[launch])
+    run_and_check([1, 2, 60, 2, 31], [True, False, True, True, False], n_channels=channels(2), seed=10)
+
+
+@pytest.mark.parametrize("case", ["short_pieces", "one_long_sequence", "widths_2_3", "strided_no_bias"])
+def test_row_kernel(case, monkeypatch):
+    launch_with(monkeypatch, block_t=8, block_c=64, rows_per_step=3)
+    if case == "short_pieces":
+        run_and_check([1, 2, 1, 2, 1], [True, True, False, True, True], seed=11)
+    elif case == "one_long_sequence":
+        run_and_check([3 * Q + 2], [True], seed=12)
+    elif case == "widths_2_3":
+        run_and_check([1, 4, Q + 1], [True, True, False], width=2, seed=13)
+        run_and_check([1, 4, Q + 1], [True, False, True], width=3, seed=14)
+    else:
+        run_and_check([2, Q, 7], [True, False, True], strided=True, with_bias=False, activation=None, seed=15)
+
+
+def test_row_kernel_equals_tiles_bit_for_bit(monkeypatch):
+    # bench/sweep_conv.py requires every launch choice to give the default's very bits: same sums, same order. The
+    # batch has empty sequences too (which the twin cannot take): the kernels find sequences in two different ways.
+    gen = torch.Generator().manual_seed(16)
+    c = channels(2)
+    x, weight, bias = (t.to(DEVICE) for t in conv_inputs(gen, 40, c, W, with_bias=True, strided=False))
+    pool = torch.randn(8, c, W - 1, generator=gen).to(DEVICE)
+    index = dict(cu_seqlens=torch.tensor([0, 0, 1, 3, 3, 20, 40, 40], dtype=torch.int32, device=DEVICE),
+                 state_indices=torch.tensor([1, 4, 0, 3, 2, 5, 6], dtype=torch.int32, device=DEVICE),
+                 has_initial_state=torch.tensor([True, True, False, True, True, True, False], device=DEVICE))
+    results = []
+    for rows_per_step in (0, 4):
+        launch_with(monkeypatch, block_t=16, block_c=64, rows_per_step=rows_per_step)
+        states = pool.clone()
+        out = causal_conv1d(x, weight, bias, states, **index)
+        results.append((out, states))
+    assert torch.equal(results[0][0], results[1][0]), "out: the row kernel's bits differ from the tiles'"
+    assert torch.equal(results[0][1], results[1][1]), "conv_states differ"
+
+
 def test_one_sequence_in_a_large_pool_without_initial_state():
     run_and_check([Q + 1], [False], n_slots=32, seed=2)
 
@@ -155,6 +212,21 @@ def _valid_args():
         "slot_out_of_range", "x_float64", "float_indices"])
 def test_rejects_bad_input(name, bad, message):
     assert_rejected(causal_conv1d, _valid_args(), name, bad, message)
+
+
+def test_rejected_slot_past_the_pool_is_not_touched():
+    # The index values are checked after the kernels are queued, so the kernels themselves must keep a bad slot
+    # from reaching memory: here the row past the pool's end, where a missing bound would read and write.
+    c = channels(1)
+    backing = torch.randn(5, c, W - 1, device=DEVICE)                 # pool = rows 0..3, row 4 just past its end
+    before = backing.clone()
+    args = dict(_valid_args(), conv_states=backing[:4],
+                state_indices=torch.tensor([1, 4], dtype=torch.int32, device=DEVICE),
+                has_initial_state=torch.tensor([True, True], device=DEVICE))
+    with pytest.raises(ValueError, match=r"state_indices: expected distinct slots in \[0, 4\)"):
+        causal_conv1d(**args)
+    assert torch.equal(backing[4], before[4]), "conv_states: the row past the pool was written"
+    assert torch.equal(backing[[0, 2, 3]], before[[0, 2, 3]]), "conv_states: a slot not named was written"
 
 
 def test_rejects_unknown_activation():

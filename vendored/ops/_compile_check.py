@@ -5,14 +5,15 @@
 The CPU test suite runs the kernels in the Triton interpreter, which never compiles them; this check covers the
 other half of a change made on a CPU machine: the GPU code paths still build. Each op's host function is called on
 small CPU tensors at Bamba-9B's widths (H=128, P=64, N=128, G=1, Q=256, C=8448), in bf16 and fp32, with the launch
-parameters it chooses for a CUDA device (its `_block_sizes(..., device)` is handed torch.device("cuda")). Every
-launch is caught instead of run, specialised as the JIT specialises it on the GPU (pointer dtypes, integers equal
-to 1, 16-byte divisibility), and compiled down to a cubin by the ptxas that ships in triton's wheel. One line per
-distinct compilation, with what ptxas reports (registers, bytes spilled) and which tensor-core instructions the
-PTX holds (wgmma: Hopper's; mma.sync: the older kind). The exit status is 1 if any failed, spilled registers, or
-if a product kernel of the scan (TENSOR_CORE_KERNELS) ran its 16-bit products anywhere but on wgmma: the speed of
-those kernels depends on it, and a change of tile shape or rank silently gives it up (a 3-D tl.dot lowers to
-mma.sync with kilobytes of spills, as the scan did before 2026-11-30).
+parameters it chooses for a CUDA device (its `_block_sizes(..., device)`, or each function its LAUNCH_CHOOSERS
+names, is handed torch.device("cuda")). Every launch is caught instead of run, specialised as the JIT specialises
+it on the GPU (pointer dtypes, integers equal to 1, 16-byte divisibility), and compiled down to a cubin by the
+ptxas that ships in triton's wheel. One line per distinct compilation, with what ptxas reports (registers, bytes
+spilled) and which tensor-core instructions the PTX holds (wgmma: Hopper's; mma.sync: the older kind). The exit
+status is 1 if any failed, spilled registers (in a launch the op chooses by default), or if a product kernel of
+the scan (TENSOR_CORE_KERNELS) ran its 16-bit products anywhere but on wgmma: the speed of those kernels depends
+on it, and a change of tile shape or rank silently gives it up (a 3-D tl.dot lowers to mma.sync with kilobytes of
+spills, as the scan did before 2026-11-30).
 
 It leans on two internals of triton 3.6's JIT (`create_function_from_signature`, `JITFunction._pack_args`), the
 same calls `JITFunction.run` makes before it compiles.
@@ -45,6 +46,9 @@ from triton.compiler import compile as compile_triton  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)                                 # H100 / H200, warp size 32
+# A case label ending so is a launch the op does not choose by default (a sweep's candidate): it must compile, but
+# may spill.
+ALTERNATIVE = "(alternative launch)"
 # Kernels whose products of 16-bit inputs must run on Hopper's wgmma (checked on the bf16 calls).
 TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel")
 OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
@@ -78,9 +82,10 @@ class LaunchCatcher:
     def active(self) -> Iterator[None]:
         saved = []
         for module in OP_MODULES:
-            choose = module._block_sizes
-            saved.append((module, "_block_sizes", choose))
-            module._block_sizes = lambda *args, _choose=choose: _choose(*args[:-1], torch.device("cuda"))
+            for chooser in getattr(module, "LAUNCH_CHOOSERS", ("_block_sizes",)):
+                choose = getattr(module, chooser)
+                saved.append((module, chooser, choose))
+                setattr(module, chooser, lambda *args, _choose=choose: _choose(*args[:-1], torch.device("cuda")))
             for kernel in vars(module).values():
                 # a jit helper imported by several modules (round_to) is patched once
                 if isinstance(kernel, JITFunction) and all(kernel is not owner for owner, _, _ in saved):
@@ -126,6 +131,33 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
         label(f"causal_conv1d_update, {what}")
         causal_conv1d_update(randn(3, C), randn(4, C, W - 1), randn(C, W), bias, index(1, -1, 2),
                              activation=activation)
+    label("causal_conv1d, one sequence")                              # n_seqs == 1 is specialised: no search
+    causal_conv1d(randn(7, C), randn(C, W), randn(C), randn(4, C, W - 1), index(0, 7), index(2), torch.tensor([True]))
+    # the channel-last pool (S, W-1, C) seen as (S, C, W-1), vLLM's layout and the benchmark's: other strides
+    label("causal_conv1d, channel-last pool")
+    causal_conv1d(randn(7, C), randn(C, W), randn(C), randn(4, W - 1, C).transpose(1, 2), index(0, 2, 7), index(1, 3),
+                  torch.tensor([True, False]))
+    label("causal_conv1d_update, channel-last pool")
+    causal_conv1d_update(randn(3, C), randn(4, W - 1, C).transpose(1, 2), randn(C, W), randn(C), index(1, -1, 2))
+    # the other prefill kernel, a launch choice bench/sweep_conv.py times: 2-D tiles (rows_per_step = 0)
+    conv_module = importlib.import_module("vendored.ops.causal_conv1d")
+    choose = conv_module._prefill_launch
+    conv_module._prefill_launch = lambda *args: choose(*args)._replace(rows_per_step=0, block_t=32, num_warps=4)
+    try:
+        for cl_pool in (False, True):
+            label(f"causal_conv1d, 2-D tiles{', channel-last pool' if cl_pool else ''} {ALTERNATIVE}")
+            pool = randn(4, W - 1, C).transpose(1, 2) if cl_pool else randn(4, C, W - 1)
+            causal_conv1d(randn(7, C), randn(C, W), randn(C), pool, index(0, 2, 7), index(1, 3),
+                          torch.tensor([True, False]))
+        label(f"causal_conv1d, 2-D tiles, one sequence {ALTERNATIVE}")
+        causal_conv1d(randn(7, C), randn(C, W), randn(C), randn(4, C, W - 1), index(0, 7), index(2),
+                      torch.tensor([True]))
+    finally:
+        conv_module._prefill_launch = choose
+    for rows in (64, 256):                                             # the row tiles of larger batches
+        label(f"causal_conv1d_update, {rows} rows")
+        causal_conv1d_update(randn(rows, C), randn(rows, W - 1, C).transpose(1, 2), randn(C, W), randn(C),
+                             torch.arange(rows, dtype=torch.int32))
 
     for state_dtype in (torch.float32, torch.bfloat16):
         pool = f"{str(state_dtype).removeprefix('torch.')} pool"
@@ -191,7 +223,7 @@ def ptxas_report(ptx: str) -> Report:
 
 def problems_of(name: str, case: str, report: Report) -> list[str]:
     found = []
-    if report.spilled:
+    if report.spilled and not case.endswith(ALTERNATIVE):
         found.append(f"spills {report.spilled} bytes of registers")
     if name in TENSOR_CORE_KERNELS and case.startswith("bfloat16") and (report.mma_sync or not report.wgmma):
         found.append(f"runs its products on {report.mma_sync} mma.sync / {report.wgmma} wgmma instructions, "

@@ -14,9 +14,16 @@ bf16, and fp32 accumulation is what a careful kernel does anyway).
 Prefill runs two launches: the convolution, which reads initial windows, then the final-window write, which
 overwrites the same slots. One launch could not do both without a race between the program that reads a slot
 (the first tokens of a sequence) and the one that writes it (the last tokens).
+
+Both ops are memory-bound: every tile runs along the channels (stride 1 in the channel-last layouts of the mixer's
+projection and of vLLM's pool), so loads and stores are 16-byte vectors when the strides allow. Tiles, warps and
+programmatic dependent launch (on a GPU, a kernel's programs may be scheduled while the previous kernel finishes;
+they wait for its writes before touching memory) are chosen in `_prefill_launch` and `_update_launch` only.
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -24,6 +31,9 @@ import triton.language as tl
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# The functions that choose launch parameters, each (..., device) -> parameters for that device: vendored/ops/
+# _compile_check.py hands them a CUDA device; bench/sweep_conv.py replaces them with candidates.
+LAUNCH_CHOOSERS = ("_prefill_launch", "_update_launch")
 
 
 @triton.jit
@@ -41,16 +51,42 @@ def _causal_conv1d_fwd_kernel(
     stride_bias_c,
     stride_states_s, stride_states_c, stride_states_w,
     stride_out_t, stride_out_c,
+    n_slots,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, CHANNELS_FASTEST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """One (BLOCK_T packed tokens, BLOCK_C channels) tile of out; a tile may straddle sequence boundaries."""
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)                  # (BLOCK_T,) packed token index
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                  # (BLOCK_C,)
+    """One (BLOCK_T packed tokens, BLOCK_C channels) tile of out; a tile may straddle sequence boundaries.
+    CHANNELS_FASTEST: consecutive programs take consecutive channel blocks of the same tokens (whole rows of x
+    read together), else consecutive token blocks of the same channels.
+
+    Tap j of token t reads input t + j - (W-1): the same tile shifted up by W-1-j rows, so the W loads of a tile
+    overlap and all but the first come from L1/L2. Addresses are a per-tile int64 base plus int32 offsets inside
+    the tile (the host keeps those below 2^31). The host checks the index values only after the launch, so bad
+    ones must not make the kernel touch memory outside x, out and the pool: the masks keep every input row >= 0
+    and every state read inside its slot, and slots inside the pool."""
+    pid = tl.program_id(0)                                             # one grid axis: no 65535 limit
+    if CHANNELS_FASTEST:
+        n_blocks_c = tl.cdiv(n_channels, BLOCK_C)
+        pid_t, pid_c = pid // n_blocks_c, pid % n_blocks_c
+    else:
+        n_blocks_t = tl.cdiv(n_tokens, BLOCK_T)
+        pid_t, pid_c = pid % n_blocks_t, pid // n_blocks_t
+    t0 = pid_t * BLOCK_T                                               # first token of the tile
+    c0 = pid_c * BLOCK_C
+    rows = tl.arange(0, BLOCK_T)                                       # (BLOCK_T,) token inside the tile
+    cols = tl.arange(0, BLOCK_C)                                       # (BLOCK_C,) channel inside the tile
+    offs_t = t0 + rows
+    offs_c = c0 + cols
     mask_t = offs_t < n_tokens
     mask_c = offs_c < n_channels
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                                       # the previous kernel's writes are visible
+        tl.extra.cuda.gdc_launch_dependents()                          # the next one may start (and wait likewise)
+    # The W weight columns, loaded (and laid out for the tile) once, before any input.
+    w_taps = ()
+    for j in tl.static_range(WIDTH):
+        w_j = tl.load(weight_ptr + offs_c * stride_weight_c + j * stride_weight_w, mask=mask_c, other=0.0)
+        w_taps = w_taps + (w_j.to(tl.float32),)                        # W x (BLOCK_C,)
 
     # The sequence of each token: the largest b with cu_seqlens[b] <= t (binary search; empty sequences skipped
     # because their start equals the next one's). Invariant: cu_seqlens[lo] <= t < cu_seqlens[hi].
@@ -64,30 +100,144 @@ def _causal_conv1d_fwd_kernel(
         hi = tl.where(go_right, hi, mid)
     seq = lo                                                           # (BLOCK_T,)
     seq_start = tl.load(cu_seqlens_ptr + seq, mask=mask_t, other=0)    # (BLOCK_T,)
-    slot = tl.load(state_indices_ptr + seq, mask=mask_t, other=0).to(tl.int64)
-    has_initial = tl.load(has_initial_state_ptr + seq, mask=mask_t, other=0) != 0
     pos = offs_t - seq_start                                           # (BLOCK_T,) position inside the sequence
 
-    offs_t64 = offs_t.to(tl.int64)
+    x_tile = x_ptr + t0.to(tl.int64) * stride_x_t + c0.to(tl.int64) * stride_x_c
+    col_x = (cols * stride_x_c)[None, :]                               # (1, BLOCK_C)
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(WIDTH):
-        # Tap j reads window entry pos + j, i.e. input t + j - (W-1) or, before the sequence start, the initial
-        # window's column pos + j.
-        from_x = (pos + j >= WIDTH - 1)[:, None]                       # (BLOCK_T, 1)
-        valid = mask_t[:, None] & mask_c[None, :]
-        x_ptrs = x_ptr + (offs_t64 + (j - (WIDTH - 1)))[:, None] * stride_x_t + offs_c[None, :] * stride_x_c
-        x_tap = tl.load(x_ptrs, mask=valid & from_x, other=0.0).to(tl.float32)
-        s_ptrs = (conv_states_ptr + (slot * stride_states_s)[:, None] + offs_c[None, :] * stride_states_c
-                  + (pos + j)[:, None] * stride_states_w)
-        s_tap = tl.load(s_ptrs, mask=valid & ~from_x & has_initial[:, None], other=0.0).to(tl.float32)
-        w_j = tl.load(weight_ptr + offs_c * stride_weight_c + j * stride_weight_w, mask=mask_c, other=0.0)
-        acc += (x_tap + s_tap) * w_j.to(tl.float32)[None, :]
+        # Tap j reads window entry pos + j: input t + j - (W-1) when that is inside the sequence, as it is for
+        # every token but a sequence's first W-1 (whose tiles are redone below). So these loads need not wait for
+        # the search.
+        x_tap = tl.load(x_tile + ((rows + (j - (WIDTH - 1))) * stride_x_t)[:, None] + col_x,
+                        mask=(mask_t & (offs_t >= WIDTH - 1 - j))[:, None] & mask_c[None, :], other=0.0)
+        acc += x_tap.to(tl.float32) * w_taps[j][None, :]
+
+    # Taps before a sequence's start read its initial window (zeros without one). Only a sequence's first W-1
+    # tokens have such taps, so most tiles skip this block, and its loads.
+    near_start = mask_t & (pos < WIDTH - 1)                            # (BLOCK_T,)
+    if tl.max(near_start.to(tl.int32), axis=0) > 0:
+        slot = tl.load(state_indices_ptr + seq, mask=near_start, other=0).to(tl.int64)
+        has_initial = tl.load(has_initial_state_ptr + seq, mask=near_start, other=0) != 0
+        reads_state = mask_t & (pos < WIDTH - 1) & has_initial         # (BLOCK_T,)
+        reads_state = reads_state & (pos >= 0) & (slot >= 0) & (slot < n_slots)   # false unless indices are bad
+        state_rows = conv_states_ptr + slot * stride_states_s          # (BLOCK_T,) int64 slot bases
+        # The tile again, each tap now its input or its initial-window entry: every output the same sum, in the
+        # same order, as without initial windows (and as in the row kernel), so launch choices agree bit for bit.
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            x_tap = tl.load(x_tile + ((rows + (j - (WIDTH - 1))) * stride_x_t)[:, None] + col_x,
+                            mask=(mask_t & (offs_t >= WIDTH - 1 - j))[:, None] & mask_c[None, :], other=0.0)
+            from_x = pos + j >= WIDTH - 1                              # (BLOCK_T,)
+            tap = tl.where(from_x[:, None], x_tap.to(tl.float32), 0.0)
+            if j < WIDTH - 1:
+                # window entry pos + j < W-1 is column pos + j of the initial window
+                s_tap = tl.load(state_rows[:, None] + (offs_c * stride_states_c)[None, :]
+                                + ((pos + j) * stride_states_w)[:, None],
+                                mask=(reads_state & (pos + j < WIDTH - 1))[:, None] & mask_c[None, :], other=0.0)
+                tap += s_tap.to(tl.float32)
+            acc += tap * w_taps[j][None, :]
+
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if APPLY_SILU:
         acc = _silu(acc)
-    out_ptrs = out_ptr + offs_t64[:, None] * stride_out_t + offs_c[None, :] * stride_out_c
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+    out_tile = out_ptr + t0.to(tl.int64) * stride_out_t + c0.to(tl.int64) * stride_out_c
+    tl.store(out_tile + (rows * stride_out_t)[:, None] + (cols * stride_out_c)[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _causal_conv1d_rows_fwd_kernel(
+    x_ptr, weight_ptr, bias_ptr, conv_states_ptr, cu_seqlens_ptr, state_indices_ptr, has_initial_state_ptr,
+    out_ptr,
+    n_tokens, n_channels, n_seqs, n_search_steps,
+    stride_x_t, stride_x_c,
+    stride_weight_c, stride_weight_w,
+    stride_bias_c,
+    stride_states_s, stride_states_c, stride_states_w,
+    stride_out_t, stride_out_c,
+    n_slots,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ROWS_PER_STEP: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The same outputs as _causal_conv1d_fwd_kernel (bit for bit), computed row after row: tokens t0..t0+BLOCK_T-1
+    for BLOCK_C channels, the window (the W-1 entries before the current token) carried in registers. Each input
+    row is loaded once (and the W-1 before the block once more), ROWS_PER_STEP rows at a time so that their loads
+    are in flight together; at a sequence's first token the window becomes its initial window (zeros without one)."""
+    pid = tl.program_id(0)
+    if CHANNELS_FASTEST:
+        n_blocks_c = tl.cdiv(n_channels, BLOCK_C)
+        pid_t, pid_c = pid // n_blocks_c, pid % n_blocks_c
+    else:
+        n_blocks_t = tl.cdiv(n_tokens, BLOCK_T)
+        pid_t, pid_c = pid % n_blocks_t, pid // n_blocks_t
+    t0 = pid_t * BLOCK_T
+    t_end = tl.minimum(t0 + BLOCK_T, n_tokens)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                  # (BLOCK_C,)
+    mask_c = offs_c < n_channels
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    w_taps = ()
+    for j in tl.static_range(WIDTH):
+        w_j = tl.load(weight_ptr + offs_c * stride_weight_c + j * stride_weight_w, mask=mask_c, other=0.0)
+        w_taps = w_taps + (w_j.to(tl.float32),)                        # W x (BLOCK_C,)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)
+
+    # The sequence b of token t0 (largest b with cu_seqlens[b] <= t0), then start W-1 rows earlier, or at b's start.
+    lo = 0
+    hi = n_seqs
+    for _ in range(n_search_steps):
+        mid = (lo + hi) // 2
+        go_right = tl.load(cu_seqlens_ptr + mid) <= t0
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo
+    seq_start = tl.load(cu_seqlens_ptr + seq)
+    next_start = tl.load(cu_seqlens_ptr + seq + 1)
+    t = tl.maximum(t0 - (WIDTH - 1), seq_start)
+    window = ()
+    for j in tl.static_range(WIDTH - 1):
+        window = window + (tl.zeros([BLOCK_C], dtype=tl.float32),)    # W-1 x (BLOCK_C,); set before it is read
+    x_cols = x_ptr + offs_c * stride_x_c
+    out_cols = out_ptr + offs_c * stride_out_c
+    state_cols = conv_states_ptr + offs_c * stride_states_c
+    while t < t_end:
+        x_rows = ()
+        for u in tl.static_range(ROWS_PER_STEP):
+            row_ok = (t + u >= 0) & (t + u < t_end)                    # >= 0 unless cu_seqlens is bad
+            x_row = tl.load(x_cols + (t + u).to(tl.int64) * stride_x_t, mask=mask_c & row_ok, other=0.0)
+            x_rows = x_rows + (x_row,)
+        for u in tl.static_range(ROWS_PER_STEP):
+            if t + u < t_end:
+                while (next_start <= t + u) & (seq < n_seqs - 1):      # into the next sequence (past empty ones)
+                    seq += 1
+                    seq_start = next_start
+                    next_start = tl.load(cu_seqlens_ptr + seq + 1)
+                if t + u == seq_start:                                 # a sequence's first token: its initial window
+                    slot = tl.load(state_indices_ptr + seq).to(tl.int64)
+                    reads = (tl.load(has_initial_state_ptr + seq) != 0) & (slot >= 0) & (slot < n_slots)
+                    window = ()
+                    for j in tl.static_range(WIDTH - 1):
+                        column = tl.load(state_cols + slot * stride_states_s + j * stride_states_w,
+                                         mask=mask_c & reads, other=0.0)
+                        window = window + (column.to(tl.float32),)
+                x_now = x_rows[u].to(tl.float32)
+                acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+                for j in tl.static_range(WIDTH - 1):
+                    acc += window[j] * w_taps[j]
+                acc += x_now * w_taps[WIDTH - 1]
+                if HAS_BIAS:
+                    acc += bias
+                if APPLY_SILU:
+                    acc = _silu(acc)
+                tl.store(out_cols + (t + u).to(tl.int64) * stride_out_t, acc.to(out_ptr.dtype.element_ty),
+                         mask=mask_c & (t + u >= t0))                  # rows before t0 only fill the window
+                window = window[1:] + (x_now,)
+        t += ROWS_PER_STEP
 
 
 @triton.jit
@@ -96,17 +246,20 @@ def _causal_conv1d_final_state_fwd_kernel(
     n_seqs, n_channels,
     stride_x_t, stride_x_c,
     stride_states_s, stride_states_c, stride_states_w,
+    n_tokens, n_slots,
     WIDTH: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Slot state_indices[b] <- last W-1 entries of sequence b's window [initial | inputs], for BLOCK_B sequences
-    and BLOCK_C channels."""
+    and BLOCK_C channels. Every read comes before the one store (a new column may be an old one). As in the
+    convolution, bad index values (checked after the launch) touch nothing outside x and the pool."""
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)       # (BLOCK_B,)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)       # (BLOCK_C,)
     offs_w = tl.arange(0, BLOCK_W)                                     # (BLOCK_W,) column of the new window
     mask_b = offs_b < n_seqs
-    mask = (mask_b[:, None, None] & (offs_c < n_channels)[None, :, None]
-            & (offs_w < WIDTH - 1)[None, None, :])                     # (BLOCK_B, BLOCK_C, BLOCK_W)
-
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     start = tl.load(cu_seqlens_ptr + offs_b, mask=mask_b, other=0)    # (BLOCK_B,)
     length = tl.load(cu_seqlens_ptr + offs_b + 1, mask=mask_b, other=0) - start
     slot = tl.load(state_indices_ptr + offs_b, mask=mask_b, other=0).to(tl.int64)
@@ -114,10 +267,14 @@ def _causal_conv1d_final_state_fwd_kernel(
 
     # New column i is window entry length + i: an input when it is >= W-1, else the old column length + i.
     entry = length[:, None] + offs_w[None, :]                          # (BLOCK_B, BLOCK_W)
+    in_pool = mask_b & (slot >= 0) & (slot < n_slots)                  # (BLOCK_B,) false only for bad slots
+    mask = (in_pool[:, None, None] & (offs_c < n_channels)[None, :, None]
+            & ((offs_w < WIDTH - 1)[None, :] & (entry >= 0))[:, None, :])   # (BLOCK_B, BLOCK_C, BLOCK_W)
     from_x = (entry >= WIDTH - 1)[:, None, :]                          # (BLOCK_B, 1, BLOCK_W)
     token = (start[:, None] + entry - (WIDTH - 1)).to(tl.int64)        # (BLOCK_B, BLOCK_W) packed index when from_x
+    in_x = ((token >= 0) & (token < n_tokens))[:, None, :]             # false only for bad cu_seqlens
     x_vals = tl.load(x_ptr + token[:, None, :] * stride_x_t + offs_c[None, :, None] * stride_x_c,
-                     mask=mask & from_x, other=0.0)
+                     mask=mask & from_x & in_x, other=0.0)
     state_base = (conv_states_ptr + (slot * stride_states_s)[:, None, None]
                   + offs_c[None, :, None] * stride_states_c)           # (BLOCK_B, BLOCK_C, 1)
     old_vals = tl.load(state_base + entry[:, None, :] * stride_states_w,
@@ -137,34 +294,40 @@ def _causal_conv1d_update_fwd_kernel(
     stride_bias_c,
     stride_out_b, stride_out_c,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, APPLY_SILU: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """BLOCK_B decode rows, BLOCK_C channels: out = act(window · weight + bias); each slot's window shifts by one."""
+    """BLOCK_B decode rows, BLOCK_C channels: out = act(window · weight + bias); each slot's window shifts by one.
+    Every operand is a (BLOCK_B, BLOCK_C) tile, one window column at a time, so that loads run along the channels."""
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)       # (BLOCK_B,)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)       # (BLOCK_C,)
-    offs_w = tl.arange(0, BLOCK_W)                                     # (BLOCK_W,)
     mask_b = offs_b < n_rows
     mask_c = offs_c < n_channels
     offs_b = offs_b.to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                                       # the previous kernel's writes are visible
+        tl.extra.cuda.gdc_launch_dependents()                          # the next one may start (and wait likewise)
     slot = tl.load(state_indices_ptr + offs_b, mask=mask_b, other=pad_slot_id).to(tl.int64)
-    # A padding row reads and writes no slot (nor its input) and outputs 0.
+    # A padding row reads and writes no slot and outputs 0. (Its input is loaded with the others, not waiting for
+    # the slot, and left unused.)
     live = mask_b & (slot != pad_slot_id)                              # (BLOCK_B,)
     live_c = live[:, None] & mask_c[None, :]                           # (BLOCK_B, BLOCK_C)
-    x_new = tl.load(x_ptr + offs_b[:, None] * stride_x_b + offs_c[None, :] * stride_x_c, mask=live_c, other=0.0)
-    x_new = x_new.to(tl.float32)[:, :, None]                           # (BLOCK_B, BLOCK_C, 1)
-    state_base = (conv_states_ptr + (slot * stride_states_s)[:, None, None]
-                  + offs_c[None, :, None] * stride_states_c)           # (BLOCK_B, BLOCK_C, 1)
-    in_state = live_c[:, :, None] & (offs_w < WIDTH - 1)[None, None, :]   # (BLOCK_B, BLOCK_C, BLOCK_W)
-    # window (C, W) = [old columns 0..W-2 | x]; shifted (C, W-1) = [old columns 1..W-2 | x]. Both are read
-    # before the slot is written.
-    window = tl.load(state_base + offs_w[None, None, :] * stride_states_w, mask=in_state, other=0.0).to(tl.float32)
-    window += tl.where((offs_w == WIDTH - 1)[None, None, :], x_new, 0.0)
-    shifted = tl.load(state_base + (offs_w + 1)[None, None, :] * stride_states_w,
-                      mask=live_c[:, :, None] & (offs_w < WIDTH - 2)[None, None, :], other=0.0).to(tl.float32)
-    shifted += tl.where((offs_w == WIDTH - 2)[None, None, :], x_new, 0.0)
-    weight = tl.load(weight_ptr + offs_c[:, None] * stride_weight_c + offs_w[None, :] * stride_weight_w,
-                     mask=mask_c[:, None] & (offs_w < WIDTH)[None, :], other=0.0).to(tl.float32)   # (BLOCK_C, BLOCK_W)
-    acc = tl.sum(window * weight[None, :, :], axis=2)                  # (BLOCK_B, BLOCK_C)
+    x_new = tl.load(x_ptr + offs_b[:, None] * stride_x_b + offs_c[None, :] * stride_x_c,
+                    mask=mask_b[:, None] & mask_c[None, :], other=0.0)
+    state_base = (conv_states_ptr + (slot * stride_states_s)[:, None]
+                  + (offs_c * stride_states_c)[None, :])               # (BLOCK_B, BLOCK_C) column 0 of each slot
+    # window (C, W) = [old columns 0..W-2 | x]
+    w_last = tl.load(weight_ptr + offs_c * stride_weight_c + (WIDTH - 1) * stride_weight_w, mask=mask_c, other=0.0)
+    acc = x_new.to(tl.float32) * w_last.to(tl.float32)[None, :]
+    for k in tl.static_range(WIDTH - 1):
+        column = tl.load(state_base + k * stride_states_w, mask=live_c, other=0.0)
+        w_k = tl.load(weight_ptr + offs_c * stride_weight_c + k * stride_weight_w, mask=mask_c, other=0.0)
+        acc += column.to(tl.float32) * w_k.to(tl.float32)[None, :]
+    # Shift: column k <- column k+1, column W-2 <- x. Column k+1 is read again (from cache) just before the store
+    # that needs it, so that no store sits between the loads above, and read before it is itself overwritten.
+    for k in tl.static_range(WIDTH - 2):
+        column = tl.load(state_base + (k + 1) * stride_states_w, mask=live_c, other=0.0)
+        tl.store(state_base + k * stride_states_w, column, mask=live_c)
+    tl.store(state_base + (WIDTH - 2) * stride_states_w, x_new.to(conv_states_ptr.dtype.element_ty), mask=live_c)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if APPLY_SILU:
@@ -172,8 +335,6 @@ def _causal_conv1d_update_fwd_kernel(
     acc = tl.where(live[:, None], acc, 0.0)
     tl.store(out_ptr + offs_b[:, None] * stride_out_b + offs_c[None, :] * stride_out_c,
              acc.to(out_ptr.dtype.element_ty), mask=mask_b[:, None] & mask_c[None, :])
-    tl.store(state_base + offs_w[None, None, :] * stride_states_w, shifted.to(conv_states_ptr.dtype.element_ty),
-             mask=in_state)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,11 +386,98 @@ def _check_conv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return width
 
 
-def _block_sizes(device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_C, BLOCK_B). GPU: tiles sized for bandwidth, one sequence or decode row per program.
-    Interpreter, where every program costs the same fixed time whatever its size: the GPU's tile (tests with more
-    tokens or channels cross its edges), and 4 sequences or decode rows, so that test batches cross row blocks."""
-    return (64, 128, 1) if device.type == "cuda" else (64, 128, 4)
+class PrefillLaunch(NamedTuple):
+    """Launch parameters of causal_conv1d: the convolution's (block_t tokens, block_c channels) tile, warps,
+    program order (channels_fastest: consecutive programs along a row of x) and kernel (rows_per_step 0: 2-D tiles,
+    _causal_conv1d_fwd_kernel; else _causal_conv1d_rows_fwd_kernel, that many rows a step), the final-window kernel's
+    (state_block_b sequences, state_block_c channels) tile, and programmatic dependent launch (each kernel may start
+    while the previous one finishes; it waits for that one's writes before touching memory)."""
+    block_t: int
+    block_c: int
+    num_warps: int
+    channels_fastest: bool
+    rows_per_step: int
+    state_block_b: int
+    state_block_c: int
+    pdl: bool
+
+
+class UpdateLaunch(NamedTuple):
+    """Launch parameters of causal_conv1d_update: a (block_b rows, block_c channels) tile, warps, and programmatic
+    dependent launch (as in PrefillLaunch)."""
+    block_b: int
+    block_c: int
+    num_warps: int
+    pdl: bool
+
+
+def _prefill_launch(n_tokens: int, n_channels: int, device: torch.device) -> PrefillLaunch:
+    """GPU: the row kernel, 256 channels a 1-warp program (8 a thread: 16-byte bf16 loads), 8 rows in flight a step,
+    29 tokens a program (with the W-1 = 3 rows before them, 32 rows: 4 whole steps). It loads every input once and
+    needs ~128 registers a thread without spilling, where the 2-D tiles load each input W times (from L1/L2 after the
+    first) and a 32 x 256 tile of 4 warps needs 255 and spills (ptxas -v, sm_90). One sequence per final-window
+    program. Interpreter, where every program costs the same fixed time whatever its size: 64 x 128 2-D tiles and 4
+    sequences a program, smaller than the test shapes so that tests cross tile edges (tests run the row kernel too).
+    bench/sweep_conv.py times the alternatives on a GPU."""
+    if device.type == "cuda":
+        return PrefillLaunch(block_t=29, block_c=256, num_warps=1, channels_fastest=True, rows_per_step=8,
+                             state_block_b=1, state_block_c=256, pdl=True)
+    return PrefillLaunch(block_t=64, block_c=128, num_warps=4, channels_fastest=True, rows_per_step=0,
+                         state_block_b=4, state_block_c=128, pdl=False)
+
+
+def _update_launch(n_rows: int, n_channels: int, device: torch.device) -> UpdateLaunch:
+    """GPU: 256 channels per 1-warp program (8 channels a thread: 16-byte bf16 loads) of 1 row below 16 rows, 2
+    below 128, 4 from there: a thread then loads its 8 channels' W weights (scalar loads, the weight being (C, W))
+    once for all its rows, while small batches keep enough programs to spread over the SMs. Interpreter: 4 rows and
+    128 channels, so that test batches cross row blocks. bench/sweep_conv.py times the alternatives on a GPU."""
+    if device.type == "cuda":
+        return UpdateLaunch(block_b=1 if n_rows < 16 else 2 if n_rows < 128 else 4, block_c=256, num_warps=1, pdl=True)
+    return UpdateLaunch(block_b=4, block_c=128, num_warps=4, pdl=False)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _index_check(cu_seqlens: torch.Tensor, state_indices: torch.Tensor, n_tokens: int,
+                 n_slots: int) -> Callable[[], None]:
+    """Starts reading cu_seqlens and state_indices back to the host and returns the check to call after the launch:
+    it waits for that copy alone and raises unless cu_seqlens runs from 0 to T without decreasing and the slots are
+    distinct and inside the pool. On a GPU the copy runs on a side stream behind the work already queued, so the
+    kernels queued meanwhile are not held up by a sync (the kernels mask bad values; a call that raises may have
+    written the named slots)."""
+    if cu_seqlens.device.type == "cuda":
+        device = cu_seqlens.device
+        side = _SIDE_STREAMS.get(device)
+        if side is None:
+            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))           # behind the work that made the indices
+        with torch.cuda.stream(side):
+            values = torch.cat([cu_seqlens.long(), state_indices.long()])   # (B+1 + B,)
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(side)
+        for t in (cu_seqlens, state_indices):
+            t.record_stream(side)                                      # read on the side stream
+    else:
+        host, copied = torch.cat([cu_seqlens.long(), state_indices.long()]), None
+
+    def check() -> None:
+        if copied is not None:
+            copied.synchronize()
+        listed = host.tolist()
+        bounds, slots = listed[:cu_seqlens.shape[0]], listed[cu_seqlens.shape[0]:]
+        if bounds[0] != 0 or bounds[-1] != n_tokens or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens: expected non-decreasing from 0 to T = {n_tokens}, got {bounds}")
+        if any(not 0 <= s < n_slots for s in slots) or len(set(slots)) != len(slots):
+            raise ValueError(f"state_indices: expected distinct slots in [0, {n_slots}), got {slots}")
+    return check
+
+
+def _tile_offsets_fit_int32(t: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether offsets inside a (rows, cols) tile of the 2-D tensor t, formed in int32 by the kernel, cannot wrap."""
+    return rows * abs(t.stride(0)) + cols * abs(t.stride(1)) < 2**31
 
 
 def causal_conv1d(
@@ -250,7 +498,9 @@ def causal_conv1d(
     has_initial_state (B,) bool. Slots not named are neither read nor written; a slot whose has_initial_state is
     False is not read. Returns out (T, C) = activation(conv(x) + bias), in x's dtype promoted with the weight's.
 
-    Checks the index values too (one device-to-host copy): prefill is not captured in CUDA graphs.
+    Checks the index values too (one device-to-host copy: prefill is not captured in CUDA graphs), after queueing
+    the kernels so that a GPU need not wait for the host: a call that raises for them may have written the slots
+    it names, never memory outside x, out and the pool.
     """
     apply_silu = _check_activation(activation)
     width = _check_conv_operands(x, weight, bias, conv_states, state_indices)
@@ -262,19 +512,17 @@ def causal_conv1d(
     _expect_dtype("has_initial_state", has_initial_state, (torch.bool,) + _INDEX_DTYPES)
     for name, t in (("cu_seqlens", cu_seqlens), ("has_initial_state", has_initial_state)):
         _expect(f"{name}.device", "the device of x,", x.device, t.device)
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != n_tokens or any(a > b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens: expected non-decreasing from 0 to T = {n_tokens}, got {bounds}")
-    slots = state_indices.tolist()
-    if any(not 0 <= s < conv_states.shape[0] for s in slots) or len(set(slots)) != len(slots):
-        raise ValueError(f"state_indices: expected distinct slots in [0, {conv_states.shape[0]}), got {slots}")
-
+    check_indices = _index_check(cu_seqlens, state_indices, n_tokens, conv_states.shape[0])
     out = torch.empty((n_tokens, n_channels), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    block_t, block_c, block_b = _block_sizes(x.device)
+    launch = _prefill_launch(n_tokens, n_channels, x.device)
+    if not _tile_offsets_fit_int32(x, launch.block_t + width, launch.block_c):
+        x = x.contiguous()                                             # a stride so large is no layout to optimise
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
     if n_tokens > 0:
-        grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_channels, block_c))
-        _causal_conv1d_fwd_kernel[grid](
+        grid = (triton.cdiv(n_tokens, launch.block_t) * triton.cdiv(n_channels, launch.block_c),)
+        rows = {"ROWS_PER_STEP": launch.rows_per_step} if launch.rows_per_step else {}
+        kernel = _causal_conv1d_rows_fwd_kernel if launch.rows_per_step else _causal_conv1d_fwd_kernel
+        kernel[grid](
             x, weight, bias_arg, conv_states, cu_seqlens, state_indices, has_initial_state, out,
             n_tokens, n_channels, n_seqs, (n_seqs - 1).bit_length(),
             x.stride(0), x.stride(1),
@@ -282,16 +530,23 @@ def causal_conv1d(
             bias_arg.stride(0),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
             out.stride(0), out.stride(1),
-            WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu, BLOCK_T=block_t, BLOCK_C=block_c,
+            conv_states.shape[0],
+            WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu, BLOCK_T=launch.block_t,
+            BLOCK_C=launch.block_c, CHANNELS_FASTEST=launch.channels_fastest, USE_PDL=launch.pdl,
+            num_warps=launch.num_warps, launch_pdl=launch.pdl, **rows,
         )
     if n_seqs > 0:
+        block_b, block_c = launch.state_block_b, launch.state_block_c
         _causal_conv1d_final_state_fwd_kernel[(triton.cdiv(n_seqs, block_b), triton.cdiv(n_channels, block_c))](
             x, conv_states, cu_seqlens, state_indices, has_initial_state,
             n_seqs, n_channels,
             x.stride(0), x.stride(1),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
+            n_tokens, conv_states.shape[0],
             WIDTH=width, BLOCK_B=block_b, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_C=block_c,
+            USE_PDL=launch.pdl, launch_pdl=launch.pdl,
         )
+    check_indices()
     return out
 
 
@@ -319,9 +574,9 @@ def causal_conv1d_update(
     out = torch.empty((n_rows, n_channels), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if n_rows == 0:
         return out
-    _, block_c, block_b = _block_sizes(x.device)
+    launch = _update_launch(n_rows, n_channels, x.device)
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
-    _causal_conv1d_update_fwd_kernel[(triton.cdiv(n_rows, block_b), triton.cdiv(n_channels, block_c))](
+    _causal_conv1d_update_fwd_kernel[(triton.cdiv(n_rows, launch.block_b), triton.cdiv(n_channels, launch.block_c))](
         x, conv_states, weight, bias_arg, state_indices, out,
         n_rows, n_channels, pad_slot_id,
         x.stride(0), x.stride(1),
@@ -330,6 +585,7 @@ def causal_conv1d_update(
         bias_arg.stride(0),
         out.stride(0), out.stride(1),
         WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu,
-        BLOCK_B=block_b, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c,
+        BLOCK_B=launch.block_b, BLOCK_C=launch.block_c, USE_PDL=launch.pdl, num_warps=launch.num_warps,
+        launch_pdl=launch.pdl,
     )
     return out
