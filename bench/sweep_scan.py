@@ -33,14 +33,11 @@ def candidates(default) -> dict[str, object]:
     """Name -> _Blocks: the default and variations around it."""
     out = {"default": default}
     out["n_state64"] = default._replace(n_state=64)
-    for n_pass in (32, 64, 128):
+    for n_pass in (32, 64):
         out[f"n_pass{n_pass}"] = default._replace(n_pass=n_pass)
-    for stages in (1, 2, 3, 4):
+    for stages in (1, 2, 3):
         out[f"stages{stages}"] = default._replace(stages=stages)
     out["n_scan32"] = default._replace(n_scan=32)
-    for chunk in (64, 128):                     # the scan's own chunk length: same recurrence, other cut of the work
-        out[f"chunk{chunk}"] = default._replace(chunk=chunk, q=chunk, m=min(default.m, chunk))
-        out[f"chunk{chunk}-n_pass64"] = default._replace(chunk=chunk, q=chunk, m=min(default.m, chunk), n_pass=64)
     unique = {}
     for name, blocks in out.items():             # a variation equal to the default is not timed twice
         unique.setdefault(blocks, name)
