@@ -145,16 +145,13 @@ class SsuLaunch(NamedTuple):
 
 def _block_sizes(n_rows: int, n_heads: int, head_dim: int, d_state: int, state_dtype: torch.dtype,
                  device: torch.device) -> SsuLaunch:
-    """GPU: one row and one head per program, and a tile of the head's (P, N) state of about 512 elements (fp32,
-    1 warp) or 4096 (16-bit pool, 2 warps; 1024 at 8·H rows or fewer, where more programs matter more): many small
-    programs keep enough loads in flight on every SM at batch 1 and at batch 256 alike; bench/sweep_norm_ssu.py
-    times the alternatives. Interpreter, where every program costs the same fixed time: up to 4 rows, 4 heads and
+    """GPU: one row and one head per program, and a tile of the head's (P, N) state of 512 elements (fp32 pool) or
+    2048 (16-bit pool), one warp: many small programs keep enough loads in flight on every SM at batch 1 and at
+    batch 256 alike; bench/sweep_norm_ssu.py times the alternatives. Interpreter, where every program costs the same fixed time: up to 4 rows, 4 heads and
     16 channels per program, so that tests with more rows, heads or channels than that still cross tile edges."""
     if device.type == "cuda":
-        if state_dtype.itemsize >= 4:
-            elements, warps = 512, 1
-        else:
-            elements, warps = (1024, 2) if n_rows <= 8 else (4096, 2)
+        # bench/sweep_norm_ssu.py on an H200 (2026-11-30): fastest exact launch at batch 1, 8, 64 and 256 alike
+        elements, warps = (512, 1) if state_dtype.itemsize >= 4 else (2048, 1)
         block_p = max(1, min(elements // triton.next_power_of_2(d_state), triton.next_power_of_2(head_dim)))
         return SsuLaunch(1, 1, block_p, warps)
     return SsuLaunch(4, min(triton.next_power_of_2(n_heads), 4), min(triton.next_power_of_2(head_dim), 16), 4)
