@@ -112,7 +112,7 @@ def default_launch(case: Case, s, device: torch.device):
     if case.op == "rms_norm_gated":
         return norm_module._block_sizes(case.params["group_size"], device)
     state_dtype = getattr(torch, case.params["state_dtype"])
-    return ssu_module._block_sizes(case.params["batch"], s.H, s.P, s.N, state_dtype, device)
+    return ssu_module._block_sizes(s.H, s.P, s.N, state_dtype, device)
 
 
 # ---------------------------------------------------------------------------------------------------------------

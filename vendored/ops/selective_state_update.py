@@ -143,12 +143,13 @@ class SsuLaunch(NamedTuple):
     state_eviction: str = ""                                           # "" or "evict_first"
 
 
-def _block_sizes(n_rows: int, n_heads: int, head_dim: int, d_state: int, state_dtype: torch.dtype,
+def _block_sizes(n_heads: int, head_dim: int, d_state: int, state_dtype: torch.dtype,
                  device: torch.device) -> SsuLaunch:
     """GPU: one row and one head per program, and a tile of the head's (P, N) state of 512 elements (fp32 pool) or
     2048 (16-bit pool), one warp: many small programs keep enough loads in flight on every SM at batch 1 and at
-    batch 256 alike; bench/sweep_norm_ssu.py times the alternatives. Interpreter, where every program costs the same fixed time: up to 4 rows, 4 heads and
-    16 channels per program, so that tests with more rows, heads or channels than that still cross tile edges."""
+    batch 256 alike; bench/sweep_norm_ssu.py times the alternatives. Interpreter, where every program costs the same
+    fixed time: up to 4 rows, 4 heads and 16 channels per program, so that tests with more rows, heads or channels
+    than that still cross tile edges."""
     if device.type == "cuda":
         # bench/sweep_norm_ssu.py on an H200 (2026-11-30): fastest exact launch at batch 1, 8, 64 and 256 alike
         elements, warps = (512, 1) if state_dtype.itemsize >= 4 else (2048, 1)
@@ -216,7 +217,7 @@ def selective_state_update(
                     device=x.device)
     if n_rows == 0:
         return y
-    launch = _block_sizes(n_rows, n_heads, head_dim, d_state, ssm_states.dtype, x.device)
+    launch = _block_sizes(n_heads, head_dim, d_state, ssm_states.dtype, x.device)
     block_n = triton.next_power_of_2(d_state)
     stand_in = A                                                       # never read when its flag is False
     D_arg, dt_bias_arg = (D if D is not None else stand_in), (dt_bias if dt_bias is not None else stand_in)
