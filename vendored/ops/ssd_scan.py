@@ -491,7 +491,9 @@ class _Blocks(NamedTuple):
 def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, device: torch.device) -> _Blocks:
     """tl.dot needs every side >= 16, so q, m, p and n are padded up to that. GPU: one chunk and one head per program
     past stage 1 (the grid supplies the parallelism): 2-D tiles, which Triton maps onto Hopper's wgmma; a whole
-    (64, 128) state per stage-2 program, so x·decay is split into bf16 pieces once. Picked on an H200 with
+    (64, 128) state per stage-2 program, so x·decay is split into bf16 pieces once. Stage 1 takes 8 heads per
+    program whatever H is: with 4 (a model of 4 heads), triton 3.6 fails to compile it for sm_90 ("operand does not
+    dominate this use" in its layout pass; _compile_check compiles the scan at such a shape). Picked on an H200 with
     bench/sweep_scan.py (2026-11-30, Bamba-9B, 32K and 2K tokens): (64, 64) stage-3 tiles and no software pipelining
     (num_stages 1: less shared memory, more programs per SM) were the fastest of the variations tried; 8 warps, 32- or
     128-wide C·S steps, 4 stages and chunks of 64 or 128 were slower. Interpreter, where every program costs the same
@@ -504,7 +506,7 @@ def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, dev
     heads_cumsum = triton.next_power_of_2(n_heads)
     if device.type == "cuda":
         return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(128, block_n),
-                       n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=min(8, heads_cumsum), c=1, h=1,
+                       n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=8, c=1, h=1,
                        warps=4, stages=1, tensor_cores=True)
     return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(64, block_n),
                    n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=min(16, heads_cumsum),
