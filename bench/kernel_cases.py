@@ -16,6 +16,8 @@ Peers' conventions, matched here so that the three compute the same thing:
 - z (gating) is not passed to the scan or decode (Bamba gates in the norm); rms_norm_gated gets z with
   norm_before_gate=False, one group per B/C group (group size H·P/G).
 - mamba_ssm has no Triton causal conv (its conv is a CUDA extension), so conv cases have one peer.
+- Neither peer checks the values of cu_seqlens and the slots; ours are called as the engine calls them,
+  check_indices=False (no device-to-host copy and wait; bench/latency.py times the checked call too).
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ def _esz(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype: torch.dtype) -> Case:
+def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype: torch.dtype,
+              check_indices: bool = False) -> Case:
     s, device, dtype, _ = setup
 
     def build() -> dict[str, Impl]:
@@ -178,7 +181,7 @@ def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype
             def run():
                 out["y"] = ssd_scan(x, dt, p["A"], B, C, chunk_size=s.Q, D=p["D"], dt_bias=p["dt_bias"], z=None,
                                     cu_seqlens=cu, ssm_states=states, state_indices=slots,
-                                    has_initial_state=no_initial)
+                                    has_initial_state=no_initial, check_indices=check_indices)
             return run, lambda: (out["y"], states[slots64])
 
         def vllm():
@@ -210,7 +213,8 @@ def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype
 
     counts = scan_counts(s, n_tokens, n_seqs, _esz(dtype), _esz(state_dtype))
     return Case("ssd_scan", f"T{n_tokens}-seqs{n_seqs}", counts, "bench", build,
-                dict(tokens=n_tokens, seqs=n_seqs, state_dtype=str(state_dtype).removeprefix("torch.")))
+                dict(tokens=n_tokens, seqs=n_seqs, state_dtype=str(state_dtype).removeprefix("torch."),
+                     check_indices=check_indices))
 
 
 def ssu_case(setup: Setup, peers: dict, batch: int, state_dtype: torch.dtype) -> Case:
@@ -281,7 +285,7 @@ def _clone_pool(pool: torch.Tensor) -> torch.Tensor:
     return pool.transpose(1, 2).clone().transpose(1, 2)               # same strides as the original view
 
 
-def conv_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int) -> Case:
+def conv_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, check_indices: bool = False) -> Case:
     s, device, dtype, _ = setup
     has_initial_list = [b % 2 == 1 for b in range(n_seqs)]          # every other sequence continues a window
 
@@ -299,7 +303,8 @@ def conv_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int) -> Case:
             states, out = _clone_pool(pool), {}
 
             def run():
-                out["y"] = causal_conv1d(x, weight, bias, states, cu, slots, has_initial, activation="silu")
+                out["y"] = causal_conv1d(x, weight, bias, states, cu, slots, has_initial, activation="silu",
+                                         check_indices=check_indices)
             return run, lambda: (out["y"], states[slots64])
 
         def vllm():
@@ -315,7 +320,7 @@ def conv_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int) -> Case:
 
     counts = conv_counts(s, n_tokens, n_seqs, sum(has_initial_list), _esz(dtype), _esz(dtype))
     return Case("causal_conv1d", f"T{n_tokens}-seqs{n_seqs}", counts, "bench", build,
-                dict(tokens=n_tokens, seqs=n_seqs))
+                dict(tokens=n_tokens, seqs=n_seqs, check_indices=check_indices))
 
 
 def conv_update_case(setup: Setup, peers: dict, batch: int, state_dtype: torch.dtype) -> Case:

@@ -7,9 +7,9 @@ Each candidate replaces `_prefill_launch` or `_update_launch` of vendored/ops/ca
 that chooses that op's tiles, warps and programmatic dependent launch) while its case runs. Its outputs after one
 call from the fresh state must equal those of the default choice bit for bit (y and the written slots): a candidate
 that differs is marked and not ranked. Timing as bench/kernels.py does it: triton.testing.do_bench (median, L2
-flushed) for prefill, replays of a CUDA graph of back-to-back calls for decode. Also timed, for scale: the default
-prefill with its index check (a device-to-host copy the host waits for) skipped, and vLLM on the same inputs with
---peers.
+flushed) for prefill, replays of a CUDA graph of back-to-back calls for decode; the prefill called as the benchmark
+calls it, check_indices=False (bench/latency.py measures what the check costs). Also timed, for scale: vLLM on the
+same inputs with --peers.
 
 Output: per case, every candidate's ms, TB/s and its time over the default's; per op, candidates ranked by the
 geometric mean of that ratio over the op's cases; sweep.json and sweep.md in --out.
@@ -65,7 +65,6 @@ UPDATE_CANDIDATES = [
     *[UpdateLaunch(block_b=b, block_c=256, num_warps=1, pdl=False) for b in (1, 4)],
 ]
 CHOOSER = {"causal_conv1d": "_prefill_launch", "causal_conv1d_update": "_update_launch"}
-NO_INDEX_CHECK = "default, index check skipped"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,14 +134,6 @@ def sweep_case(case: Case, a: argparse.Namespace, on_gpu: bool, deadline: float,
         finally:
             setattr(conv_module, chooser, original)
         record["rows"].append(dict(row, config=candidate._asdict(), is_default=candidate == default))
-    if case.op == "causal_conv1d":
-        index_check = conv_module._index_check
-        conv_module._index_check = lambda *args: (lambda: None)
-        try:
-            row, _ = run_candidate(case, impls["ours"], NO_INDEX_CHECK, a, on_gpu, reference)
-        finally:
-            conv_module._index_check = index_check
-        record["rows"].append(dict(row, config=default._asdict(), is_default=False))
     if "vllm" in impls:
         try:
             row, _ = run_candidate(case, impls["vllm"], "vllm", a, on_gpu, None)
@@ -153,7 +144,7 @@ def sweep_case(case: Case, a: argparse.Namespace, on_gpu: bool, deadline: float,
     for row in record["rows"]:
         if "ms" in row:
             row["vs_default"] = row["ms"] / base
-    best = min((r for r in record["rows"] if "ms" in r and r.get("equal", True) and r["candidate"] != NO_INDEX_CHECK),
+    best = min((r for r in record["rows"] if "ms" in r and r.get("equal", True)),
                key=lambda r: r["ms"])
     log(f"{case.op:<22} {case.name:<22} default {base:.4f} ms, best {best['ms']:.4f} ms {best['candidate']}"
         + (f", vllm {record['vllm_ms']:.4f} ms" if "vllm_ms" in record else ""))
@@ -170,7 +161,7 @@ def ranking(records: list[dict], op: str) -> list[tuple[str, float, int]]:
         for row in record["rows"]:
             if row.get("equal") is False:
                 unequal.add(row["candidate"])
-            if "vs_default" in row and row["candidate"] not in ("default", NO_INDEX_CHECK):
+            if "vs_default" in row and row["candidate"] != "default":
                 ratios.setdefault(row["candidate"], []).append(row["vs_default"])
     ranked = [(name, math.exp(sum(map(math.log, rs)) / len(rs)), len(rs)) for name, rs in ratios.items()
               if name not in unequal and len(rs) == len(cases)]

@@ -4,9 +4,11 @@ with vLLM's scan on the same inputs, plus where the default configuration's time
     python3 -m bench.sweep_scan --peers .peers --out out/sweep-scan        # CUDA machine, < 2 minutes on an H200
 
 Candidates are the default GPU `_Blocks` with one or two fields changed (warps, pipelining stages, state and scan
-tile widths); each is swapped in for `_block_sizes` while it runs. A candidate sums in another order than the default, so
-its y is compared with the default's (max |Δ| in the table) rather than required to be equal; the default itself is
-what tests/kernels holds to the fp64 twin. Writes sweep_scan.json and prints a table; pick a new default from it
+tile widths); each is swapped in for `_block_sizes` while it runs. One more, EXPERIMENT_rounded_products, is no launch
+choice: it rounds the fp32 intermediates to bf16 for one tensor-core product each, as the peers' kernels do, so that
+the time our fp32 accuracy costs is measured rather than guessed (its outputs fail tests/kernels/test_ssd_scan.py).
+A candidate sums in another order than the default, so its y is compared with the default's (max |Δ| in the table)
+rather than required to be equal; the default itself is what tests/kernels holds to the fp64 twin. Writes sweep_scan.json and prints a table; pick a new default from it
 and run `pytest -m gpu tests/kernels/test_ssd_scan.py` before committing it.
 """
 
@@ -32,12 +34,18 @@ CASES = ((32768, 1), (2048, 1), (2048, 8))
 def candidates(default) -> dict[str, object]:
     """Name -> _Blocks: the default and variations around it."""
     out = {"default": default}
-    out["n_state64"] = default._replace(n_state=64)
-    for n_pass in (32, 64):
-        out[f"n_pass{n_pass}"] = default._replace(n_pass=n_pass)
-    for stages in (1, 2, 3):
-        out[f"stages{stages}"] = default._replace(stages=stages)
-    out["n_scan32"] = default._replace(n_scan=32)
+    # (narrower state tiles, 3 stages, 32-wide C·S steps, 128-row tiles on 8 warps and 32-wide head-dim tiles were
+    # slower than the default in the sweeps of 2026-11-30: bench/results/2026-11-30-h200-after/sweep_scan.txt)
+    out["n_pass32"] = default._replace(n_pass=32)
+    out["stages2"] = default._replace(stages=2)
+    # uncapped, stage 4 uses 208 registers a thread and stage 2 174 (ptxas): 2 programs an SM; at 128, 4 fit with a
+    # few hundred bytes spilled; 8 warps at 128 registers: 16 warps an SM, stage 4 without spills
+    out["max_registers_none"] = default._replace(max_registers=0)
+    out["max_registers128"] = default._replace(max_registers=128)
+    out["warps8_max_registers128"] = default._replace(warps=8, max_registers=128)
+    # not a launch choice: the fp32 intermediates rounded to bf16 for one product each, as the peers do (outputs fail
+    # our accuracy tests); what the numerics policy costs, measured
+    out["EXPERIMENT_rounded_products"] = default._replace(exact_products=False)
     unique = {}
     for name, blocks in out.items():             # a variation equal to the default is not timed twice
         unique.setdefault(blocks, name)
@@ -91,8 +99,8 @@ def main(argv=None) -> int:
                 reference = y if reference is None else reference
                 row["diff"][name] = max_abs_diff(y, reference)
                 row["ms"][name] = triton.testing.do_bench(run, rep=a.rep_ms, return_mode="median")
-                if name == "default":
-                    row["profile"] = profile_default(run)
+                if name in ("default", "EXPERIMENT_rounded_products"):
+                    row["profile" if name == "default" else "profile_rounded"] = profile_default(run)
             except Exception as e:                    # e.g. out of shared memory: report, go on
                 row["ms"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             finally:
@@ -111,8 +119,10 @@ def main(argv=None) -> int:
         for name, ms in row["ms"].items():
             if name != "vllm" and isinstance(ms, float) and "vllm" in row["ms"]:
                 print(f"  {name:24s} {ms:8.4f} ms   vllm/ours {row['ms']['vllm'] / ms:5.2f}")
-        for kernel, us in row.get("profile", [])[:10]:
-            print(f"    {us:9.1f} µs  {kernel[:80]}")
+        for key in ("profile", "profile_rounded"):
+            print(f"  {key}:")
+            for kernel, us in row.get(key, [])[:10]:
+                print(f"    {us:9.1f} µs  {kernel[:80]}")
     return 0
 
 

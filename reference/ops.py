@@ -45,6 +45,8 @@ def causal_conv1d_ref(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    *,
+    check_indices: bool = True,
 ) -> torch.Tensor:
     """Depthwise causal convolution over packed sequences, carrying each sequence's window in a state slot.
 
@@ -52,7 +54,9 @@ def causal_conv1d_ref(
     receives the last W-1 inputs of sequence b (its initial window in front, so a piece shorter than W-1 keeps part
     of the old window); cu_seqlens (B+1,); state_indices (B,); has_initial_state (B,) bool.
     Returns out (T, C) = activation(conv(x) + bias), in x's dtype promoted with the weight's.
+    check_indices is unused (kept for the kernel's signature: the twin indexes with the values on the host).
     """
+    del check_indices
     width = weight.shape[1]                                            # W
     dtype = torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)           # (T, C)
@@ -142,6 +146,7 @@ def ssd_scan_ref(
     has_initial_state: torch.Tensor,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
+    check_indices: bool = True,
 ) -> torch.Tensor:
     """The selective state-space recurrence over packed sequences, one token at a time.
 
@@ -151,10 +156,10 @@ def ssd_scan_ref(
         y_t = S_t·C_t + D_h·x_t,  then y_t·silu(z_t) if z is given
     x (T, H, P); dt (T, H); A (H,) (negative); B, C (T, G, N); D (H,) or None; dt_bias (H,) or None;
     z (T, H, P) or None; cu_seqlens (B+1,); ssm_states (S, H, P, N), updated in place with each sequence's final
-    state; state_indices (B,); has_initial_state (B,) bool. chunk_size is unused (kept for the kernel's signature).
-    Returns y (T, H, P) in the promoted dtype of x and the state pool.
+    state; state_indices (B,); has_initial_state (B,) bool. chunk_size and check_indices are unused (kept for the
+    kernel's signature). Returns y (T, H, P) in the promoted dtype of x and the state pool.
     """
-    del chunk_size
+    del chunk_size, check_indices
     n_heads, n_groups = x.shape[1], B.shape[1]
     dtype = torch.promote_types(x.dtype, ssm_states.dtype)
     group = group_of_head(n_heads, n_groups, x.device)                 # (H,)

@@ -214,16 +214,21 @@ def test_rejects_bad_input(name, bad, message):
     assert_rejected(causal_conv1d, _valid_args(), name, bad, message)
 
 
-def test_rejected_slot_past_the_pool_is_not_touched():
-    # The index values are checked after the kernels are queued, so the kernels themselves must keep a bad slot
-    # from reaching memory: here the row past the pool's end, where a missing bound would read and write.
+@pytest.mark.parametrize("check_indices", [True, False], ids=["checked", "unchecked"])
+def test_slot_past_the_pool_is_not_touched(check_indices):
+    # The index values are checked after the kernels are queued (or not at all, for a caller that vouches for them),
+    # so the kernels themselves must keep a bad slot from reaching memory: here the row past the pool's end, where
+    # a missing bound would read and write.
     c = channels(1)
     backing = torch.randn(5, c, W - 1, device=DEVICE)                 # pool = rows 0..3, row 4 just past its end
     before = backing.clone()
     args = dict(_valid_args(), conv_states=backing[:4],
                 state_indices=torch.tensor([1, 4], dtype=torch.int32, device=DEVICE),
-                has_initial_state=torch.tensor([True, True], device=DEVICE))
-    with pytest.raises(ValueError, match=r"state_indices: expected distinct slots in \[0, 4\)"):
+                has_initial_state=torch.tensor([True, True], device=DEVICE), check_indices=check_indices)
+    if check_indices:
+        with pytest.raises(ValueError, match=r"state_indices: expected distinct slots in \[0, 4\)"):
+            causal_conv1d(**args)
+    else:
         causal_conv1d(**args)
     assert torch.equal(backing[4], before[4]), "conv_states: the row past the pool was written"
     assert torch.equal(backing[[0, 2, 3]], before[[0, 2, 3]]), "conv_states: a slot not named was written"

@@ -239,6 +239,40 @@ def test_rejects_groups_that_do_not_divide_heads():
         ssd_scan(*args, ssm_states=pool, **kwargs)
 
 
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("cu_seqlens", (0, 6, 5), r"cu_seqlens: expected non-decreasing from 0 to T = 9, got \[0, 6, 5\]"),
+    ("cu_seqlens", (0, 4, 8), r"cu_seqlens: expected non-decreasing from 0 to T = 9"),
+    ("state_indices", (3, 3), r"state_indices: expected distinct slots in \[0, 5\), got \[3, 3\]"),
+    ("state_indices", (-1, 3), r"state_indices: expected distinct slots in \[0, 5\)"),
+], ids=["cu_seqlens_decreasing", "cu_seqlens_short_of_T", "duplicate_slots", "negative_slot"])
+def test_rejects_bad_index_values(name, bad, message):
+    args, kwargs, pool = make_inputs(Case(lengths=(4, 5)), torch.float32, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        ssd_scan(*args, ssm_states=pool, **{**kwargs, name: _i32(*bad)})
+
+
+@pytest.mark.parametrize("check_indices", [True, False], ids=["checked", "unchecked"])
+def test_slot_past_the_pool_is_never_touched(check_indices):
+    # The values are checked after the kernels are queued (or not at all, for a caller that vouches for them), so the
+    # kernels must keep a slot outside the pool from reaching memory: here the row just past the pool's end.
+    args, kwargs, pool = make_inputs(Case(lengths=(4, 5), initial="all"), torch.float32, torch.float32)
+    backing = torch.cat([pool, torch.randn_like(pool[:1])])          # pool = rows 0..4, row 5 just past its end
+    before = backing.clone()
+    call = dict(kwargs, state_indices=_i32(5, 1), check_indices=check_indices)
+    if check_indices:
+        with pytest.raises(ValueError, match=r"state_indices: expected distinct slots in \[0, 5\), got \[5, 1\]"):
+            ssd_scan(*args, ssm_states=backing[:5], **call)
+    else:
+        ssd_scan(*args, ssm_states=backing[:5], **call)
+    assert torch.equal(backing[5], before[5]), "ssm_states: the row past the pool was read into or written"
+    assert torch.equal(backing[[0, 2, 3, 4]], before[[0, 2, 3, 4]]), "ssm_states: a slot not named was written"
+    assert not torch.equal(backing[1], before[1]), "ssm_states: the named slot in the pool was not written"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A chunked fp64 twin for inputs too long for the sequential one, checked against it here
 # ---------------------------------------------------------------------------------------------------------------

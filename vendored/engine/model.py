@@ -139,14 +139,14 @@ class BambaEngineModel:
         if T > n_dec:
             t_pre = T - n_dec
             xbc = causal_conv1d(xBC[n_dec:].contiguous(), conv_w, conv_b, conv_pool, batch.prefill_cu_seqlens,
-                                batch.prefill_slots, batch.prefill_has_initial_state, "silu")
+                                batch.prefill_slots, batch.prefill_has_initial_state, "silu", check_indices=False)
             xs, B, C = xbc.split([H * P, G * N, G * N], dim=-1)
             y[n_dec:] = ssd_scan(
                 xs.reshape(t_pre, H, P).contiguous(), dt[n_dec:].contiguous(), self.w[p + "A"],
                 B.reshape(t_pre, G, N).contiguous(), C.reshape(t_pre, G, N).contiguous(),
                 chunk_size=cfg.chunk_size, cu_seqlens=batch.prefill_cu_seqlens, ssm_states=ssm_pool,
                 state_indices=batch.prefill_slots, has_initial_state=batch.prefill_has_initial_state,
-                **common).to(x.dtype)
+                check_indices=False, **common).to(x.dtype)
         y = self._gated_norm(i, y.reshape(T, H * P), z.contiguous())
         return self._output_linear(y, p + "out_proj")
 

@@ -52,6 +52,8 @@ TARGET = GPUTarget("cuda", 90, 32)                                 # H100 / H200
 ALTERNATIVE = "(alternative launch)"
 # A case label ending so has tiles too small for wgmma (it needs 64 rows): its products may run on mma.sync.
 SMALL_TILES = "(small tiles)"
+# Spill bytes allowed to a launch that caps its registers (see problems_of).
+CAPPED_SPILL_BYTES = 32
 # Kernels whose products of 16-bit inputs must run on Hopper's wgmma (checked on the bf16 calls).
 TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel")
 OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
@@ -178,14 +180,15 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
         selective_state_update(randn(4, H, P, N, dt=state_dtype), randn(1, H, P), randn(1, H), -torch.rand(H),
                                randn(1, G, N), randn(1, G, N), D=None, dt_bias=None, z=None,
                                state_indices=index(3), dt_softplus=False)
-        for full in (True, False):
-            label(f"ssd_scan, {pool}, " + ("all inputs, dt_limit" if full else "no optional inputs"))
+        for what, full, has_z in (("all inputs, dt_limit", True, True), ("no optional inputs", False, False),
+                                  ("D and dt_bias, no z (as the engine calls it)", True, False)):
+            label(f"ssd_scan, {pool}, {what}")
             ssd_scan(randn(9, H, P), randn(9, H), -torch.rand(H), randn(9, G, N), randn(9, G, N), chunk_size=Q,
                      D=torch.randn(H) if full else None, dt_bias=torch.randn(H) if full else None,
-                     z=randn(9, H, P) if full else None, cu_seqlens=index(0, 4, 9),
+                     z=randn(9, H, P) if has_z else None, cu_seqlens=index(0, 4, 9),
                      ssm_states=randn(5, H, P, N, dt=state_dtype), state_indices=index(1, 3),
                      has_initial_state=torch.tensor([True, False]), dt_softplus=full,
-                     dt_limit=(0.0, 10.0) if full else (0.0, math.inf))
+                     dt_limit=(0.0, 10.0) if full and has_z else (0.0, math.inf))
         # the test models' widths (tests/helpers.py TINY_CONFIG: H=4, P=16, N=8, G=2, Q=8), one sequence shorter than
         # a chunk: small tiles that once failed to compile (stage 1 with 4 heads per program)
         label(f"ssd_scan, {pool}, test-model widths, one short sequence {SMALL_TILES}")
@@ -231,10 +234,12 @@ def ptxas_report(ptx: str) -> Report:
                   ptx.count("wgmma.mma_async"), ptx.count("mma.sync"))
 
 
-def problems_of(name: str, case: str, report: Report) -> list[str]:
+def problems_of(name: str, case: str, report: Report, capped: bool = False) -> list[str]:
+    """capped: the launch caps its registers (maxnreg), trading a few spilled words for more programs an SM; up to
+    CAPPED_SPILL_BYTES of spills are that trade (ptxas moves a value or two out), more is a launch to fix."""
     found = []
-    if report.spilled and not case.endswith(ALTERNATIVE):
-        found.append(f"spills {report.spilled} bytes of registers")
+    if report.spilled > (CAPPED_SPILL_BYTES if capped else 0) and not case.endswith(ALTERNATIVE):
+        found.append(f"spills {report.spilled} bytes of registers" + (" under its register cap" if capped else ""))
     if (name in TENSOR_CORE_KERNELS and case.startswith("bfloat16") and not case.endswith(SMALL_TILES)
             and (report.mma_sync or not report.wgmma)):
         found.append(f"runs its products on {report.mma_sync} mma.sync / {report.wgmma} wgmma instructions, "
@@ -266,7 +271,7 @@ def main() -> int:
         report = ptxas_report(compiled.asm["ptx"])
         line = (f"{name}  [{launch.case}]  {meta.num_warps} warps, {meta.shared} B shared, {report.registers} "
                 f"registers, {report.spilled} B spilled, {report.wgmma} wgmma, {report.mma_sync} mma.sync")
-        problems = problems_of(name, launch.case, report)
+        problems = problems_of(name, launch.case, report, capped="maxnreg" in launch.kwargs)
         if problems:
             failed += 1
             print(f"FAIL {line}: {'; '.join(problems)}", flush=True)

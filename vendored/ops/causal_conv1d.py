@@ -23,11 +23,13 @@ they wait for its writes before touching memory) are chosen in `_prefill_launch`
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ._index_check import no_check, start_index_check
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -436,45 +438,6 @@ def _update_launch(n_rows: int, n_channels: int, device: torch.device) -> Update
     return UpdateLaunch(block_b=4, block_c=128, num_warps=4, pdl=False)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _index_check(cu_seqlens: torch.Tensor, state_indices: torch.Tensor, n_tokens: int,
-                 n_slots: int) -> Callable[[], None]:
-    """Starts reading cu_seqlens and state_indices back to the host and returns the check to call after the launch:
-    it waits for that copy alone and raises unless cu_seqlens runs from 0 to T without decreasing and the slots are
-    distinct and inside the pool. On a GPU the copy runs on a side stream behind the work already queued, so the
-    kernels queued meanwhile are not held up by a sync (the kernels mask bad values; a call that raises may have
-    written the named slots)."""
-    if cu_seqlens.device.type == "cuda":
-        device = cu_seqlens.device
-        side = _SIDE_STREAMS.get(device)
-        if side is None:
-            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))           # behind the work that made the indices
-        with torch.cuda.stream(side):
-            values = torch.cat([cu_seqlens.long(), state_indices.long()])   # (B+1 + B,)
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(side)
-        for t in (cu_seqlens, state_indices):
-            t.record_stream(side)                                      # read on the side stream
-    else:
-        host, copied = torch.cat([cu_seqlens.long(), state_indices.long()]), None
-
-    def check() -> None:
-        if copied is not None:
-            copied.synchronize()
-        listed = host.tolist()
-        bounds, slots = listed[:cu_seqlens.shape[0]], listed[cu_seqlens.shape[0]:]
-        if bounds[0] != 0 or bounds[-1] != n_tokens or any(a > b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens: expected non-decreasing from 0 to T = {n_tokens}, got {bounds}")
-        if any(not 0 <= s < n_slots for s in slots) or len(set(slots)) != len(slots):
-            raise ValueError(f"state_indices: expected distinct slots in [0, {n_slots}), got {slots}")
-    return check
-
-
 def _tile_offsets_fit_int32(t: torch.Tensor, rows: int, cols: int) -> bool:
     """Whether offsets inside a (rows, cols) tile of the 2-D tensor t, formed in int32 by the kernel, cannot wrap."""
     return rows * abs(t.stride(0)) + cols * abs(t.stride(1)) < 2**31
@@ -489,6 +452,8 @@ def causal_conv1d(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    *,
+    check_indices: bool = True,
 ) -> torch.Tensor:
     """Depthwise causal convolution over packed sequences, carrying each sequence's window in a state slot.
 
@@ -500,7 +465,9 @@ def causal_conv1d(
 
     Checks the index values too (one device-to-host copy: prefill is not captured in CUDA graphs), after queueing
     the kernels so that a GPU need not wait for the host: a call that raises for them may have written the slots
-    it names, never memory outside x, out and the pool.
+    it names, never memory outside x, out and the pool. check_indices=False skips that copy and its wait, for a
+    caller that built the values and vouches for them (vendored/ops/_index_check.py): a slot outside the pool is
+    still neither read nor written, but other bad values then give a wrong result instead of an error.
     """
     apply_silu = _check_activation(activation)
     width = _check_conv_operands(x, weight, bias, conv_states, state_indices)
@@ -512,7 +479,8 @@ def causal_conv1d(
     _expect_dtype("has_initial_state", has_initial_state, (torch.bool,) + _INDEX_DTYPES)
     for name, t in (("cu_seqlens", cu_seqlens), ("has_initial_state", has_initial_state)):
         _expect(f"{name}.device", "the device of x,", x.device, t.device)
-    check_indices = _index_check(cu_seqlens, state_indices, n_tokens, conv_states.shape[0])
+    check = (start_index_check(cu_seqlens, state_indices, n_tokens, conv_states.shape[0]) if check_indices
+             else no_check)
     out = torch.empty((n_tokens, n_channels), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     launch = _prefill_launch(n_tokens, n_channels, x.device)
     if not _tile_offsets_fit_int32(x, launch.block_t + width, launch.block_c):
@@ -546,7 +514,7 @@ def causal_conv1d(
             WIDTH=width, BLOCK_B=block_b, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_C=block_c,
             USE_PDL=launch.pdl, launch_pdl=launch.pdl,
         )
-    check_indices()
+    check()
     return out
 
 

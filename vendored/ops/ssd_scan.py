@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._index_check import no_check, start_index_check
 from ._rounding import interpreted, round_to
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -99,7 +100,10 @@ def _bf16x3(v):
 #   0: two 16-bit operands, straight on the tensor cores (a product of two 16-bit floats is exact in fp32);
 #   1: an fp32 left operand against a bf16 right one, the left as its three bf16 pieces;
 #   2: a bf16 left operand against an fp32 right one, the right split;
-#   3: fp32 FMAs (fp32 or fp16 operands, and every product under the interpreter).
+#   3: fp32 FMAs (fp32 or fp16 operands, and every product under the interpreter);
+#   4, 5: the fp32 left (4) or right (5) operand rounded to bf16, one product, as the peers' kernels do. Never chosen
+#      by ssd_scan() itself: an experiment of bench/sweep_scan.py (_Blocks.exact_products=False) that measures what the
+#      fp32 accuracy costs; its outputs fail the three-way bounds of tests/kernels/test_ssd_scan.py.
 @triton.jit
 def _dot(a, b, HOW: tl.constexpr):
     """a @ b in fp32 for 2-D or 3-D (batched) a, b, as accurate as fp32 whatever the operands (HOW above). The
@@ -112,6 +116,10 @@ def _dot(a, b, HOW: tl.constexpr):
     elif HOW == 2:
         b_hi, b_mid, b_lo = _bf16x3(b)
         return tl.dot(a, b_hi, tl.dot(a, b_mid, tl.dot(a, b_lo)))
+    elif HOW == 4:
+        return tl.dot(a.to(tl.bfloat16), b)
+    elif HOW == 5:
+        return tl.dot(a, b.to(tl.bfloat16))
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
@@ -234,7 +242,7 @@ def _ssd_chunk_state_fwd_kernel(
 def _ssd_state_passing_fwd_kernel(
     states_ptr, chunk_decay_ptr, seq_chunks_ptr,
     ssm_states_ptr, state_indices_ptr, has_initial_state_ptr,
-    n_heads, head_dim, d_state,
+    n_heads, head_dim, d_state, n_slots,
     stride_dc_c,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_pool_s, stride_pool_h, stride_pool_p, stride_pool_n,
@@ -254,10 +262,12 @@ def _ssd_state_passing_fwd_kernel(
 
     slot = tl.load(state_indices_ptr + pid_b).to(tl.int64)
     has_initial = tl.load(has_initial_state_ptr + pid_b) != 0
+    # a slot outside the pool (a bad index, reported by the host's check) is neither read nor written
+    in_pool = (slot >= 0) & (slot < n_slots)
     pool_offs = (slot * stride_pool_s + offs_h[:, None, None] * stride_pool_h
                  + offs_p[None, :, None] * stride_pool_p + offs_n[None, None, :] * stride_pool_n)
     # the slot is read only when the sequence has an initial state: otherwise it may hold anything (NaN included)
-    state = tl.load(ssm_states_ptr + pool_offs, mask=mask & has_initial, other=0.0).to(tl.float32)
+    state = tl.load(ssm_states_ptr + pool_offs, mask=mask & has_initial & in_pool, other=0.0).to(tl.float32)
 
     first_chunk = tl.load(seq_chunks_ptr + pid_b).to(tl.int64)
     n_chunks = tl.load(seq_chunks_ptr + pid_b + 1) - tl.load(seq_chunks_ptr + pid_b)
@@ -274,7 +284,8 @@ def _ssd_state_passing_fwd_kernel(
         tl.store(states_ptr + offs, state, mask=mask)
         state = decay[:, None, None] * state + own
         own, decay, offs = own_next, decay_next, offs + stride_st_c
-    tl.store(ssm_states_ptr + pool_offs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=mask)
+    tl.store(ssm_states_ptr + pool_offs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS),
+             mask=mask & in_pool)
 
 
 @triton.jit
@@ -472,7 +483,10 @@ class _Blocks(NamedTuple):
     of a state or y tile; n_state, n_pass, n_scan: state columns of a stage-2 tile, of a stage-3 tile and of a
     stage-4 C·S step; h_cumsum: heads per stage-1 program; c, h: chunks and heads (groups, for C·Bᵀ) per program of
     every stage that has them; warps, stages: num_warps and num_stages (software pipelining depth) of the stages
-    with products; tensor_cores: whether 16-bit inputs take the tensor-core products of _dot (GPU) or fp32 FMAs."""
+    with products; tensor_cores: whether 16-bit inputs take the tensor-core products of _dot (GPU) or fp32 FMAs;
+    max_registers: a cap on the registers a thread of stages 2 and 4 may use when x is bf16 (ptxas's maxnreg; 0:
+    none), which sets how many of their programs an SM holds at once (65536 registers an SM, 128 threads a program);
+    exact_products: False only in bench/sweep_scan.py's experiment (see _dot's table, 4 and 5)."""
     chunk: int
     q: int
     m: int
@@ -486,6 +500,8 @@ class _Blocks(NamedTuple):
     warps: int
     stages: int
     tensor_cores: bool
+    max_registers: int = 0
+    exact_products: bool = True
 
 
 def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, device: torch.device) -> _Blocks:
@@ -496,7 +512,9 @@ def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, dev
     dominate this use" in its layout pass; _compile_check compiles the scan at such a shape). Picked on an H200 with
     bench/sweep_scan.py (2026-11-30, Bamba-9B, 32K and 2K tokens): (64, 64) stage-3 tiles and no software pipelining
     (num_stages 1: less shared memory, more programs per SM) were the fastest of the variations tried; 8 warps, 32- or
-    128-wide C·S steps, 4 stages and chunks of 64 or 128 were slower. Interpreter, where every program costs the same
+    128-wide C·S steps, 4 stages and chunks of 64 or 128 were slower. Registers capped at 168 a thread (stage 4
+    needs 208 uncapped, stage 2 174: two 128-thread programs an SM; at 168 three fit, with no spills, and the same
+    results bit for bit): 14% less time at 32K tokens, 8% at 2K (bench/sweep_scan.py, H200). Interpreter, where every program costs the same
     fixed time whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4 heads
     per program, so that tests with more chunks or heads than that still cross block edges."""
     block_q = max(16, triton.next_power_of_2(chunk_size))
@@ -507,7 +525,7 @@ def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, dev
     if device.type == "cuda":
         return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(128, block_n),
                        n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=8, c=1, h=1,
-                       warps=4, stages=1, tensor_cores=True)
+                       warps=4, stages=1, tensor_cores=True, max_registers=168)
     return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(64, block_n),
                    n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=min(16, heads_cumsum),
                    c=256 // block_m, h=min(4, heads_cumsum), warps=4, stages=1, tensor_cores=False)
@@ -535,6 +553,7 @@ def ssd_scan(
     has_initial_state: torch.Tensor,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
+    check_indices: bool = True,
 ) -> torch.Tensor:
     """The selective state-space recurrence over packed sequences, by the SSD chunked algorithm (Triton).
 
@@ -544,6 +563,11 @@ def ssd_scan(
     bool: sequence b starts from slot state_indices[b] if set, from zeros otherwise. chunk_size Q ≥ 1 (any value;
     blocks are padded to a power of two ≥ 16). Any strides. Returns y (T, H, P) in x's dtype (see the module
     docstring for how that differs from the twin).
+
+    The values of cu_seqlens and state_indices are checked (ValueError) by a device-to-host copy started before the
+    kernels are queued and waited for after them (vendored/ops/_index_check.py); the kernels never read or write a
+    slot outside the pool, so a call that raises has written only y and the slots it names. check_indices=False
+    skips the copy and the wait, for a caller that built the values and vouches for them (the engine).
     """
     if x.dim() != 3:
         raise ValueError(f"x: expected shape (T, H, P), got {tuple(x.shape)}")
@@ -572,7 +596,10 @@ def ssd_scan(
         raise ValueError(f"B: n_groups G = {n_groups} does not divide the number of heads H = {n_heads}")
 
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)                              # (T, H, P)
+    check = (start_index_check(cu_seqlens, state_indices, n_tokens, ssm_states.shape[0]) if check_indices
+             else no_check)
     if n_seqs == 0:
+        check()
         return y
     blocks = _block_sizes(chunk_size, n_heads, head_dim, d_state, x.device)
     chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, blocks.chunk, n_tokens)
@@ -587,7 +614,11 @@ def ssd_scan(
     how_xb = 1 if on_gpu and B.dtype == torch.bfloat16 else 3           # (x·decay·Δ)ᵀ @ B       (stage 2)
     how_cs = 2 if on_gpu and C.dtype == torch.bfloat16 else 3           # C @ state entering    (stage 4)
     how_x = 1 if on_gpu and x.dtype == torch.bfloat16 else 3            # (C·Bᵀ∘L·Δ) @ x         (stage 4)
+    if not blocks.exact_products:                                       # the experiment: one rounded product
+        how_xb, how_cs, how_x = ({1: 4}.get(how_xb, how_xb), {2: 5}.get(how_cs, how_cs), {1: 4}.get(how_x, how_x))
 
+    # the register cap was measured for the tensor-core products (bf16 x); the fp32 FMA paths would spill under it
+    registers = {"maxnreg": blocks.max_registers} if blocks.max_registers and how_x == 1 else {}
     delta = torch.empty(n_chunks, n_heads, blocks.q, **f32)                              # (NC, H, Q)
     dA_cumsum = torch.empty(n_chunks, n_heads, blocks.q, dtype=torch.float64, device=x.device)   # (NC, H, Q)
     chunk_decay = torch.empty(n_chunks, n_heads, **f32)                                  # (NC, H)
@@ -613,7 +644,7 @@ def ssd_scan(
         delta.stride(0), delta.stride(1),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         HOW_XB=how_xb, BLOCK_C=blocks.c, BLOCK_H=blocks.h, BLOCK_K=blocks.m, BLOCK_P=blocks.p,
-        BLOCK_N=blocks.n_state, num_warps=blocks.warps, num_stages=blocks.stages,
+        BLOCK_N=blocks.n_state, num_warps=blocks.warps, num_stages=blocks.stages, **registers,
     )
 
     _ssd_state_passing_fwd_kernel[(n_seqs, head_blocks,
@@ -621,7 +652,7 @@ def ssd_scan(
         states, chunk_decay, seq_chunks,
         ssm_states, state_indices,
         has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state,
-        n_heads, head_dim, d_state,
+        n_heads, head_dim, d_state, ssm_states.shape[0],
         chunk_decay.stride(0),
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
@@ -654,6 +685,7 @@ def ssd_scan(
         HAS_D=D is not None, HAS_Z=z is not None, HOW_CS=how_cs, HOW_X=how_x,
         M_BLOCKS=m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
         BLOCK_M=blocks.m, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n_scan, num_warps=blocks.warps,
-        num_stages=blocks.stages,
+        num_stages=blocks.stages, **registers,
     )
+    check()
     return y
