@@ -429,12 +429,15 @@ def _prefill_launch(n_tokens: int, n_channels: int, device: torch.device) -> Pre
 
 
 def _update_launch(n_rows: int, n_channels: int, device: torch.device) -> UpdateLaunch:
-    """GPU: 256 channels per 1-warp program (8 channels a thread: 16-byte bf16 loads) of 1 row below 16 rows, 2
-    below 128, 4 from there: a thread then loads its 8 channels' W weights (scalar loads, the weight being (C, W))
-    once for all its rows, while small batches keep enough programs to spread over the SMs. Interpreter: 4 rows and
-    128 channels, so that test batches cross row blocks. bench/sweep_conv.py times the alternatives on a GPU."""
+    """GPU: below 16 rows, one row of 128 channels a 1-warp program (4 channels a thread: as many programs as the
+    channels allow, for a step that is one memory round trip); from 16 rows, 4 rows of 256 channels a 4-warp
+    program. The fastest of bench/sweep_conv.py's candidates on an H200 (2026-11-30, CUDA-graph replays): at batch
+    1, 8, 64 and 256, 0.86, 0.88, 0.67 and 0.75x the time of the launch before (256 channels on one warp, 1 to 4
+    rows), bf16 state. Interpreter: 4 rows and 128 channels, so that test batches cross row blocks."""
     if device.type == "cuda":
-        return UpdateLaunch(block_b=1 if n_rows < 16 else 2 if n_rows < 128 else 4, block_c=256, num_warps=1, pdl=True)
+        if n_rows < 16:
+            return UpdateLaunch(block_b=1, block_c=128, num_warps=1, pdl=True)
+        return UpdateLaunch(block_b=4, block_c=256, num_warps=4, pdl=True)
     return UpdateLaunch(block_b=4, block_c=128, num_warps=4, pdl=False)
 
 
