@@ -102,16 +102,24 @@ def main(argv=None) -> int:
             print(row, flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "latency.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"Host and device time per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-             f"triton {triton.__version__}.", "",
-             "| op | case | impl | host µs | gpu µs | kernels | do_bench µs |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['op']} | {r['case']} | {r['impl']} | {r.get('host_us', float('nan')):.1f} | "
-                     f"{r.get('gpu_us', float('nan')):.1f} | {r.get('events', float('nan')):.1f} | "
-                     f"{r.get('bench_us', float('nan')):.1f} | {r.get('error', '')}")
-    (out / "latency.md").write_text("\n".join(lines) + "\n")
+    title = (f"Host and device time per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"triton {triton.__version__}.")
+    (out / "latency.json").write_text(json.dumps(dict(title=title, rows=rows), indent=1))
+    (out / "latency.md").write_text(markdown(rows, title))
     return 0
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    """The table of latency.md: one row per implementation of a case; a failed measurement shows as nan, with why."""
+    def cell(row: dict, key: str) -> str:
+        value = row.get(key)
+        return "nan" if value is None else f"{value:.1f}"
+    lines = [title, "", "| op | case | impl | host µs | gpu µs | kernels | do_bench µs | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['case']} | {r['impl']} | {cell(r, 'host_us')} | {cell(r, 'gpu_us')} | "
+                     f"{cell(r, 'events')} | {cell(r, 'bench_us')} | {r.get('error', '')} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
 from ._index_check import no_check, start_index_check
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -490,7 +491,7 @@ def causal_conv1d(
         x = x.contiguous()                                             # a stride so large is no layout to optimise
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
     if n_tokens > 0:
-        grid = (triton.cdiv(n_tokens, launch.block_t) * triton.cdiv(n_channels, launch.block_c),)
+        grid = (cdiv(n_tokens, launch.block_t) * cdiv(n_channels, launch.block_c),)
         rows = {"ROWS_PER_STEP": launch.rows_per_step} if launch.rows_per_step else {}
         kernel = _causal_conv1d_rows_fwd_kernel if launch.rows_per_step else _causal_conv1d_fwd_kernel
         kernel[grid](
@@ -508,13 +509,13 @@ def causal_conv1d(
         )
     if n_seqs > 0:
         block_b, block_c = launch.state_block_b, launch.state_block_c
-        _causal_conv1d_final_state_fwd_kernel[(triton.cdiv(n_seqs, block_b), triton.cdiv(n_channels, block_c))](
+        _causal_conv1d_final_state_fwd_kernel[(cdiv(n_seqs, block_b), cdiv(n_channels, block_c))](
             x, conv_states, cu_seqlens, state_indices, has_initial_state,
             n_seqs, n_channels,
             x.stride(0), x.stride(1),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
             n_tokens, conv_states.shape[0],
-            WIDTH=width, BLOCK_B=block_b, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_C=block_c,
+            WIDTH=width, BLOCK_B=block_b, BLOCK_W=next_power_of_2(width - 1), BLOCK_C=block_c,
             USE_PDL=launch.pdl, launch_pdl=launch.pdl,
         )
     check()
@@ -547,7 +548,7 @@ def causal_conv1d_update(
         return out
     launch = _update_launch(n_rows, n_channels, x.device)
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
-    _causal_conv1d_update_fwd_kernel[(triton.cdiv(n_rows, launch.block_b), triton.cdiv(n_channels, launch.block_c))](
+    _causal_conv1d_update_fwd_kernel[(cdiv(n_rows, launch.block_b), cdiv(n_channels, launch.block_c))](
         x, conv_states, weight, bias_arg, state_indices, out,
         n_rows, n_channels, pad_slot_id,
         x.stride(0), x.stride(1),

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -110,9 +112,9 @@ def _block_sizes(group_size: int, device: torch.device) -> NormLaunch:
     pieces so that groups wider than 32 are read in two passes, as the GPU reads groups wider than 8192, and groups
     up to 32 in one, as the GPU reads Bamba's."""
     if device.type == "cuda":
-        block_d = min(triton.next_power_of_2(group_size), 8192)
+        block_d = min(next_power_of_2(group_size), 8192)
         return NormLaunch(1, block_d, 16 if block_d >= 8192 else 8 if block_d >= 2048 else 4)
-    return NormLaunch(64, min(triton.next_power_of_2(group_size), 32), 4)
+    return NormLaunch(64, min(next_power_of_2(group_size), 32), 4)
 
 
 def rms_norm_gated(
@@ -152,7 +154,7 @@ def rms_norm_gated(
         return out.reshape(x.shape)
     n_rows = x_rows.shape[0]
     launch = _block_sizes(group_size, x.device)
-    _rms_norm_gated_fwd_kernel[(triton.cdiv(n_rows, launch.block_rows), width // group_size)](
+    _rms_norm_gated_fwd_kernel[(cdiv(n_rows, launch.block_rows), width // group_size)](
         x_rows, gate_rows, weight, out,
         n_rows, group_size, eps,
         x_rows.stride(0), x_rows.stride(1),

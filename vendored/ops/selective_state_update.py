@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
 from ._rounding import interpreted, round_to
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -153,9 +154,9 @@ def _block_sizes(n_heads: int, head_dim: int, d_state: int, state_dtype: torch.d
     if device.type == "cuda":
         # bench/sweep_norm_ssu.py on an H200 (2026-11-30): fastest exact launch at batch 1, 8, 64 and 256 alike
         elements, warps = (512, 1) if state_dtype.itemsize >= 4 else (2048, 1)
-        block_p = max(1, min(elements // triton.next_power_of_2(d_state), triton.next_power_of_2(head_dim)))
+        block_p = max(1, min(elements // next_power_of_2(d_state), next_power_of_2(head_dim)))
         return SsuLaunch(1, 1, block_p, warps)
-    return SsuLaunch(4, min(triton.next_power_of_2(n_heads), 4), min(triton.next_power_of_2(head_dim), 16), 4)
+    return SsuLaunch(4, min(next_power_of_2(n_heads), 4), min(next_power_of_2(head_dim), 16), 4)
 
 
 def selective_state_update(
@@ -218,12 +219,12 @@ def selective_state_update(
     if n_rows == 0:
         return y
     launch = _block_sizes(n_heads, head_dim, d_state, ssm_states.dtype, x.device)
-    block_n = triton.next_power_of_2(d_state)
+    block_n = next_power_of_2(d_state)
     stand_in = A                                                       # never read when its flag is False
     D_arg, dt_bias_arg = (D if D is not None else stand_in), (dt_bias if dt_bias is not None else stand_in)
     z_arg = z if z is not None else x
-    grid = (triton.cdiv(n_rows, launch.block_b) * triton.cdiv(n_heads, launch.block_h)
-            * triton.cdiv(head_dim, launch.block_p),)
+    grid = (cdiv(n_rows, launch.block_b) * cdiv(n_heads, launch.block_h)
+            * cdiv(head_dim, launch.block_p),)
     _selective_state_update_fwd_kernel[grid](
         ssm_states, x, dt, A, B, C, D_arg, dt_bias_arg, z_arg, state_indices, y,
         n_rows, n_heads, head_dim, d_state, n_heads // n_groups, pad_slot_id, float(dt_min), float(dt_max),

@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
 from ._index_check import no_check, start_index_check
 from ._rounding import interpreted, round_to
 
@@ -469,9 +470,9 @@ def _logical_chunks(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: int):
     chunk_start, chunk_len, seq_chunks = torch.empty(n_chunks, **i32), torch.empty(n_chunks, **i32), \
         torch.empty(n_seqs + 1, **i32)
     block_c = 256 if cu_seqlens.device.type == "cuda" else 1024
-    _logical_chunks_kernel[(triton.cdiv(n_chunks, block_c),)](
+    _logical_chunks_kernel[(cdiv(n_chunks, block_c),)](
         cu_seqlens, chunk_start, chunk_len, seq_chunks, n_seqs, n_chunks, chunk_size,
-        BLOCK_C=block_c, BLOCK_B=min(64, triton.next_power_of_2(max(n_seqs, 1))),
+        BLOCK_C=block_c, BLOCK_B=min(64, next_power_of_2(max(n_seqs, 1))),
     )
     return chunk_start, chunk_len, seq_chunks
 
@@ -517,11 +518,11 @@ def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, dev
     results bit for bit): 14% less time at 32K tokens, 8% at 2K (bench/sweep_scan.py, H200). Interpreter, where every program costs the same
     fixed time whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4 heads
     per program, so that tests with more chunks or heads than that still cross block edges."""
-    block_q = max(16, triton.next_power_of_2(chunk_size))
+    block_q = max(16, next_power_of_2(chunk_size))
     block_m = min(64, block_q)
-    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
-    block_n = max(16, triton.next_power_of_2(d_state))
-    heads_cumsum = triton.next_power_of_2(n_heads)
+    block_p = min(64, max(16, next_power_of_2(head_dim)))
+    block_n = max(16, next_power_of_2(d_state))
+    heads_cumsum = next_power_of_2(n_heads)
     if device.type == "cuda":
         return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(128, block_n),
                        n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=8, c=1, h=1,
@@ -605,8 +606,8 @@ def ssd_scan(
     chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, blocks.chunk, n_tokens)
     n_chunks = chunk_start.shape[0]                                                       # NC (an upper bound)
     on_gpu = blocks.tensor_cores
-    chunk_blocks = triton.cdiv(n_chunks, blocks.c)
-    head_blocks = triton.cdiv(n_heads, blocks.h)
+    chunk_blocks = cdiv(n_chunks, blocks.c)
+    head_blocks = cdiv(n_heads, blocks.h)
     m_blocks = blocks.q // blocks.m
     f32 = dict(dtype=torch.float32, device=x.device)
     # _dot's precision for each product (see its table): 16-bit operands take the tensor cores on the GPU only
@@ -624,7 +625,7 @@ def ssd_scan(
     chunk_decay = torch.empty(n_chunks, n_heads, **f32)                                  # (NC, H)
     dt_min, dt_max = dt_limit
     has_dt_limit = dt_min > 0.0 or dt_max < math.inf
-    _ssd_chunk_cumsum_fwd_kernel[(chunk_blocks, triton.cdiv(n_heads, blocks.h_cumsum))](
+    _ssd_chunk_cumsum_fwd_kernel[(chunk_blocks, cdiv(n_heads, blocks.h_cumsum))](
         dt, A, dt_bias if dt_bias is not None else A, delta, dA_cumsum, chunk_decay, chunk_start, chunk_len,
         n_chunks, n_heads, float(dt_min), min(float(dt_max), torch.finfo(torch.float32).max),
         dt.stride(0), dt.stride(1),
@@ -636,7 +637,7 @@ def ssd_scan(
     states = torch.empty(n_chunks, n_heads, head_dim, d_state, **f32)                    # (NC, H, P, N)
     heads_per_group = n_heads // n_groups
     _ssd_chunk_state_fwd_kernel[(head_blocks, chunk_blocks,
-                                 triton.cdiv(head_dim, blocks.p) * triton.cdiv(d_state, blocks.n_state))](
+                                 cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_state))](
         x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
         n_chunks, n_heads, head_dim, d_state, heads_per_group,
         x.stride(0), x.stride(1), x.stride(2),
@@ -648,7 +649,7 @@ def ssd_scan(
     )
 
     _ssd_state_passing_fwd_kernel[(n_seqs, head_blocks,
-                                   triton.cdiv(head_dim, blocks.p) * triton.cdiv(d_state, blocks.n_pass))](
+                                   cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_pass))](
         states, chunk_decay, seq_chunks,
         ssm_states, state_indices,
         has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state,
@@ -660,7 +661,7 @@ def ssd_scan(
     )
 
     cb = torch.empty(n_chunks, n_groups, blocks.q, blocks.q, **f32)                     # (NC, G, Q, Q)
-    group_blocks = triton.cdiv(n_groups, blocks.h)
+    group_blocks = cdiv(n_groups, blocks.h)
     _ssd_bmm_chunk_fwd_kernel[(group_blocks, chunk_blocks * m_blocks * m_blocks)](
         B, C, cb, chunk_start, chunk_len,
         n_chunks, n_groups, d_state,
@@ -671,7 +672,7 @@ def ssd_scan(
         BLOCK_N=blocks.n_scan, num_warps=blocks.warps, num_stages=blocks.stages,
     )
 
-    _ssd_chunk_scan_fwd_kernel[(head_blocks, chunk_blocks * m_blocks, triton.cdiv(head_dim, blocks.p))](
+    _ssd_chunk_scan_fwd_kernel[(head_blocks, chunk_blocks * m_blocks, cdiv(head_dim, blocks.p))](
         x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states, y,
         chunk_start, chunk_len,
         n_chunks, n_heads, head_dim, d_state, heads_per_group,
