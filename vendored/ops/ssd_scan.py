@@ -515,8 +515,9 @@ def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, dev
     (num_stages 1: less shared memory, more programs per SM) were the fastest of the variations tried; 8 warps, 32- or
     128-wide C·S steps, 4 stages and chunks of 64 or 128 were slower. Registers capped at 168 a thread (stage 4
     needs 208 uncapped, stage 2 174: two 128-thread programs an SM; at 168 three fit, with no spills, and the same
-    results bit for bit): 14% less time at 32K tokens, 8% at 2K (bench/sweep_scan.py, H200). Interpreter, where every program costs the same
-    fixed time whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4 heads
+    results bit for bit): 14% less time at 32K tokens, 8% at 2K (bench/sweep_scan.py, H200); 128 (four programs,
+    some spills) and 8 warps at 128 were slower. Interpreter, where every program costs the same fixed time
+    whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4 heads
     per program, so that tests with more chunks or heads than that still cross block edges."""
     block_q = max(16, next_power_of_2(chunk_size))
     block_m = min(64, block_q)
