@@ -8,8 +8,9 @@ tile widths); each is swapped in for `_block_sizes` while it runs. One more, EXP
 choice: it rounds the fp32 intermediates to bf16 for one tensor-core product each, as the peers' kernels do, so that
 the time our fp32 accuracy costs is measured rather than guessed (its outputs fail tests/kernels/test_ssd_scan.py).
 A candidate sums in another order than the default, so its y is compared with the default's (max |Δ| in the table)
-rather than required to be equal; the default itself is what tests/kernels holds to the fp64 twin. Writes sweep_scan.json and prints a table; pick a new default from it
-and run `pytest -m gpu tests/kernels/test_ssd_scan.py` before committing it.
+rather than required to be equal; the default itself is what tests/kernels holds to the fp64 twin. Writes
+sweep_scan.json and prints a table; pick a new default from it and run `pytest -m gpu tests/kernels/test_ssd_scan.py`
+before committing it.
 """
 
 from __future__ import annotations
