@@ -109,8 +109,9 @@ def _block_sizes(group_size: int, device: torch.device) -> NormLaunch:
     """GPU: one row per program and the whole group in one piece up to 8192 channels (Bamba's H·P/G), read once
     and kept in registers, by 16 warps at 8192 (16 fp32 values a thread; on an H200 on 2026-11-30 16 and 32 warps
     were 13% faster than 8 at 32K tokens); bench/sweep_norm_ssu.py times the alternatives. Interpreter, where every
-    program costs the same fixed time: 64 rows per program, and 32-channel pieces so that groups wider than 32 are read in two passes, as the GPU reads groups wider than 8192, and groups
-    up to 32 in one, as the GPU reads Bamba's."""
+    program costs the same fixed time: 64 rows per program, and 32-channel pieces so that groups wider than 32 are
+    read in two passes, as the GPU reads groups wider than 8192, and groups up to 32 in one, as the GPU reads
+    Bamba's."""
     if device.type == "cuda":
         block_d = min(next_power_of_2(group_size), 8192)
         return NormLaunch(1, block_d, 16 if block_d >= 8192 else 8 if block_d >= 2048 else 4)
