@@ -117,3 +117,19 @@ def test_bamba_shapes(dtype, batch):
     slots = torch.randperm(300, generator=gen)[:batch].tolist()
     slots[batch // 2] = PAD                                            # one padding row among the live ones
     run_and_check(slots, n_channels=BAMBA_CHANNELS, dtype=dtype, n_slots=300, seed=batch)
+
+
+@pytest.mark.parametrize("bad_slot", [N_SLOTS, -2], ids=["past_the_pool", "negative"])
+def test_slot_outside_the_pool_touches_nothing_and_outputs_nan(bad_slot):
+    # No host check in a captured decode step: the kernel itself keeps a bad slot from memory (here the row just past
+    # the pool's end, where a missing bound would read and write) and makes its row NaN, where padding gives 0.
+    c = channels(1)
+    backing = torch.randn(N_SLOTS + 1, c, W - 1, device=DEVICE)       # pool = rows 0..9, row 10 just past its end
+    before = backing.clone()
+    out = causal_conv1d_update(torch.randn(3, c, device=DEVICE), backing[:N_SLOTS], torch.randn(c, W, device=DEVICE),
+                               torch.randn(c, device=DEVICE),
+                               torch.tensor([2, bad_slot, PAD], dtype=torch.int32, device=DEVICE), pad_slot_id=PAD)
+    assert torch.isnan(out[1]).all(), "out: the row with a slot outside the pool is not NaN"
+    assert not torch.isnan(out[0]).any() and bool((out[2] == 0).all()), "out: the live and padding rows changed"
+    assert torch.equal(backing[N_SLOTS], before[N_SLOTS]), "conv_states: the row past the pool was read or written"
+    assert_slots_untouched("conv_states", before, backing, touched=[2])

@@ -207,3 +207,20 @@ def test_bamba_shapes(dtype, state_dtype, batch):
     slots[batch // 2] = PAD
     inputs = make_inputs(batch, n_heads=128, head_dim=64, d_state=128, n_groups=1, n_slots=300, seed=batch)
     run_and_check(slots, inputs, dtype=dtype, state_dtype=state_dtype, dt_limit=(0.0, 10.0))
+
+
+@pytest.mark.parametrize("bad_slot", [N_SLOTS, -2], ids=["past_the_pool", "negative"])
+def test_slot_outside_the_pool_touches_nothing_and_outputs_nan(bad_slot):
+    # No host check in a captured decode step: the kernel itself keeps a bad slot from memory (here the row just past
+    # the pool's end, where a missing bound would read and write) and makes its row NaN, where padding gives 0.
+    inputs = {name: t.to(DEVICE) for name, t in make_inputs(3).items()}
+    backing = torch.cat([inputs["pool"], torch.randn_like(inputs["pool"][:1])])   # pool = rows 0..9, row 10 past it
+    before = backing.clone()
+    y = selective_state_update(backing[:N_SLOTS], inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
+                               D=inputs["D"], dt_bias=inputs["dt_bias"], z=inputs["z"],
+                               state_indices=torch.tensor([2, bad_slot, PAD], dtype=torch.int32, device=DEVICE),
+                               pad_slot_id=PAD)
+    assert torch.isnan(y[1]).all(), "y: the row with a slot outside the pool is not NaN"
+    assert not torch.isnan(y[0]).any() and bool((y[2] == 0).all()), "y: the live and padding rows changed"
+    assert torch.equal(backing[N_SLOTS], before[N_SLOTS]), "ssm_states: the row past the pool was read into or written"
+    assert_slots_untouched("ssm_states", before, backing, touched=[2])

@@ -290,7 +290,7 @@ def _causal_conv1d_final_state_fwd_kernel(
 @triton.jit
 def _causal_conv1d_update_fwd_kernel(
     x_ptr, conv_states_ptr, weight_ptr, bias_ptr, state_indices_ptr, out_ptr,
-    n_rows, n_channels, pad_slot_id,
+    n_rows, n_channels, pad_slot_id, n_slots,
     stride_x_b, stride_x_c,
     stride_states_s, stride_states_c, stride_states_w,
     stride_weight_c, stride_weight_w,
@@ -311,8 +311,11 @@ def _causal_conv1d_update_fwd_kernel(
         tl.extra.cuda.gdc_launch_dependents()                          # the next one may start (and wait likewise)
     slot = tl.load(state_indices_ptr + offs_b, mask=mask_b, other=pad_slot_id).to(tl.int64)
     # A padding row reads and writes no slot and outputs 0. (Its input is loaded with the others, not waiting for
-    # the slot, and left unused.)
-    live = mask_b & (slot != pad_slot_id)                              # (BLOCK_B,)
+    # the slot, and left unused.) A row whose slot lies outside the pool (a bad index, which a captured decode step
+    # cannot wait for the host to check) touches no slot either and outputs NaN, so that the bad value shows.
+    real = mask_b & (slot != pad_slot_id)                              # (BLOCK_B,)
+    in_pool = (slot >= 0) & (slot < n_slots)
+    live = real & in_pool
     live_c = live[:, None] & mask_c[None, :]                           # (BLOCK_B, BLOCK_C)
     x_new = tl.load(x_ptr + offs_b[:, None] * stride_x_b + offs_c[None, :] * stride_x_c,
                     mask=mask_b[:, None] & mask_c[None, :], other=0.0)
@@ -335,7 +338,7 @@ def _causal_conv1d_update_fwd_kernel(
         acc += tl.load(bias_ptr + offs_c * stride_bias_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if APPLY_SILU:
         acc = _silu(acc)
-    acc = tl.where(live[:, None], acc, 0.0)
+    acc = tl.where(live[:, None], acc, tl.where(real & ~in_pool, float("nan"), 0.0)[:, None])
     tl.store(out_ptr + offs_b[:, None] * stride_out_b + offs_c[None, :] * stride_out_c,
              acc.to(out_ptr.dtype.element_ty), mask=mask_b[:, None] & mask_c[None, :])
 
@@ -537,7 +540,8 @@ def causal_conv1d_update(
     (window shifted by one, x appended); weight (C, W); bias (C,) or None; state_indices (B,) int, distinct among
     live rows; rows with state_indices == pad_slot_id are padding: no slot read or written, output 0.
     Returns out (B, C) in x's dtype promoted with the weight's. No device-to-host copy (capturable in a CUDA
-    graph), so slot values are trusted.
+    graph), so slot values are not checked on the host: a row whose slot is outside the pool (and not the pad slot)
+    reads and writes no slot and outputs NaN.
     """
     apply_silu = _check_activation(activation)
     width = _check_conv_operands(x, weight, bias, conv_states, state_indices)
@@ -550,7 +554,7 @@ def causal_conv1d_update(
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
     _causal_conv1d_update_fwd_kernel[(cdiv(n_rows, launch.block_b), cdiv(n_channels, launch.block_c))](
         x, conv_states, weight, bias_arg, state_indices, out,
-        n_rows, n_channels, pad_slot_id,
+        n_rows, n_channels, pad_slot_id, conv_states.shape[0],
         x.stride(0), x.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
         weight.stride(0), weight.stride(1),

@@ -37,7 +37,7 @@ def _softplus(v):
 @triton.jit
 def _selective_state_update_fwd_kernel(
     ssm_states_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, z_ptr, state_indices_ptr, y_ptr,
-    n_rows, n_heads, head_dim, d_state, heads_per_group, pad_slot_id, dt_min, dt_max,
+    n_rows, n_heads, head_dim, d_state, heads_per_group, pad_slot_id, n_slots, dt_min, dt_max,
     stride_states_s, stride_states_h, stride_states_p, stride_states_n,
     stride_x_b, stride_x_h, stride_x_p,
     stride_dt_b, stride_dt_h,
@@ -72,8 +72,12 @@ the cache eviction policy of the state's load and store ("" or "evict_first": re
     mask_s = (b < n_rows) & (h < n_heads)
     b = b.to(tl.int64)
     slot = tl.load(state_indices_ptr + b, mask=mask_s, other=pad_slot_id).to(tl.int64)
-    # A padding row reads and writes no slot (nor any input) and outputs 0.
-    live = mask_s & (slot != pad_slot_id)                              # (S,)
+    # A padding row reads and writes no slot (nor any input) and outputs 0. A row whose slot lies outside the pool
+    # (a bad index: a captured decode step cannot wait for the host to check it) touches no slot either, and outputs
+    # NaN, so that the bad value shows instead of passing for padding.
+    real = mask_s & (slot != pad_slot_id)                              # (S,)
+    in_pool = (slot >= 0) & (slot < n_slots)
+    live = real & in_pool
     if EVEN_PN:                                                        # masks broadcast along P and N
         mask_y = mask_s[:, None]                                       # (S, 1)
         live_p = live[:, None]                                         # (S, 1)
@@ -115,7 +119,7 @@ the cache eviction policy of the state's load and store ("" or "evict_first": re
         z = tl.load(z_ptr + b[:, None] * stride_z_b + h[:, None] * stride_z_h + offs_p[None, :] * stride_z_p,
                     mask=live_p, other=0.0).to(tl.float32)
         y *= z / (1.0 + tl.exp(-z))
-    y = tl.where(live[:, None], y, 0.0)
+    y = tl.where(live[:, None], y, tl.where(real & ~in_pool, float("nan"), 0.0)[:, None])
     tl.store(y_ptr + b[:, None] * stride_y_b + h[:, None] * stride_y_h + offs_p[None, :] * stride_y_p,
              y.to(y_ptr.dtype.element_ty), mask=mask_y)
 
@@ -181,7 +185,8 @@ def selective_state_update(
     G dividing H; D (H,) or None; dt_bias (H,) or None; z (B, H, P) or None; state_indices (B,) int, distinct among
     live rows; rows with state_indices == pad_slot_id are padding: not read, not written, output zero. Any strides.
     Returns y (B, H, P) in x's dtype promoted with the pool's. No device-to-host copy (capturable in a CUDA graph),
-    so slot values are trusted.
+    so slot values are not checked on the host: a row whose slot is outside the pool (and not the pad slot) reads
+    and writes no slot and outputs NaN.
     """
     _expect("x.dim()", "", 3, x.dim())
     n_rows, n_heads, head_dim = x.shape
@@ -227,7 +232,8 @@ def selective_state_update(
             * cdiv(head_dim, launch.block_p),)
     _selective_state_update_fwd_kernel[grid](
         ssm_states, x, dt, A, B, C, D_arg, dt_bias_arg, z_arg, state_indices, y,
-        n_rows, n_heads, head_dim, d_state, n_heads // n_groups, pad_slot_id, float(dt_min), float(dt_max),
+        n_rows, n_heads, head_dim, d_state, n_heads // n_groups, pad_slot_id, ssm_states.shape[0], float(dt_min),
+        float(dt_max),
         *ssm_states.stride(),
         *x.stride(),
         *dt.stride(),
