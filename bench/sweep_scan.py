@@ -30,6 +30,8 @@ from bench.kernels import load_peers, max_abs_diff
 scan_module = importlib.import_module("vendored.ops.ssd_scan")
 
 CASES = ((32768, 1), (2048, 1), (2048, 8))
+# candidates whose time is also broken down kernel by kernel (CUDA profiler)
+PROFILED = ("default", "EXPERIMENT_rounded_products")
 
 
 def candidates(default) -> dict[str, object]:
@@ -44,6 +46,9 @@ def candidates(default) -> dict[str, object]:
     out["max_registers_none"] = default._replace(max_registers=0)
     out["max_registers128"] = default._replace(max_registers=128)
     out["warps8_max_registers128"] = default._replace(warps=8, max_registers=128)
+    # (stage 3 handing stage 4 the states entering the chunks as bf16 pieces, so that stage 4 does not split each
+    # again for each of its row tiles, was slower: stage 4 2310 vs 2188 µs and stage 3 378 vs 266 µs at 32K tokens,
+    # bench/results/2026-11-30-h200-session4/sweep_scan_split_states.txt)
     # not a launch choice: the fp32 intermediates rounded to bf16 for one product each, as the peers do (outputs fail
     # our accuracy tests); what the numerics policy costs, measured
     out["EXPERIMENT_rounded_products"] = default._replace(exact_products=False)
@@ -53,7 +58,7 @@ def candidates(default) -> dict[str, object]:
     return {name: blocks for blocks, name in unique.items()}
 
 
-def profile_default(run) -> list[tuple[str, float]]:
+def profile_kernels(run) -> list[tuple[str, float]]:
     """(kernel name, µs per call) of one configuration, from the CUDA profiler over 5 calls."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -100,8 +105,8 @@ def main(argv=None) -> int:
                 reference = y if reference is None else reference
                 row["diff"][name] = max_abs_diff(y, reference)
                 row["ms"][name] = triton.testing.do_bench(run, rep=a.rep_ms, return_mode="median")
-                if name in ("default", "EXPERIMENT_rounded_products"):
-                    row["profile" if name == "default" else "profile_rounded"] = profile_default(run)
+                if name in PROFILED:
+                    row.setdefault("profiles", {})[name] = profile_kernels(run)
             except Exception as e:                    # e.g. out of shared memory: report, go on
                 row["ms"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             finally:
@@ -120,9 +125,9 @@ def main(argv=None) -> int:
         for name, ms in row["ms"].items():
             if name != "vllm" and isinstance(ms, float) and "vllm" in row["ms"]:
                 print(f"  {name:24s} {ms:8.4f} ms   vllm/ours {row['ms']['vllm'] / ms:5.2f}")
-        for key in ("profile", "profile_rounded"):
-            print(f"  {key}:")
-            for kernel, us in row.get(key, [])[:10]:
+        for name, profile in row.get("profiles", {}).items():
+            print(f"  where {name}'s time goes:")
+            for kernel, us in profile[:10]:
                 print(f"    {us:9.1f} µs  {kernel[:80]}")
     return 0
 
