@@ -122,15 +122,23 @@ def run_mutant(mutant: Mutant, scratch: Path, *, gpu: bool, timeout: int, thread
     node, message, run = first_failure(junit)
     if not keep:
         shutil.rmtree(tree, ignore_errors=True)
-    if proc.returncode == 0:
-        return Outcome(**result, outcome="survived", caught_by=None, message="every selected test passed",
-                       seconds=seconds, tests_run=run)
-    if proc.returncode == 1 and node is not None:
-        outcome = "timeout" if "Timeout" in message else "killed"
-        return Outcome(**result, outcome=outcome, caught_by=node, message=message, seconds=seconds, tests_run=run)
     tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])[:400]
-    return Outcome(**result, outcome="broken", caught_by=node, message=f"pytest exit {proc.returncode}: {tail}",
+    outcome, message = classify(proc.returncode, node, message, tail)
+    return Outcome(**result, outcome=outcome, caught_by=node if outcome != "survived" else None, message=message,
                    seconds=seconds, tests_run=run)
+
+
+def classify(returncode: int, node: str | None, message: str, tail: str) -> tuple[str, str]:
+    """(outcome, message) of a mutant's pytest run from its exit status and the first failing test in its junit
+    report (node, message; None when none failed). A failing test is a kill whether pytest then exits with 1 or dies
+    of a signal after writing its report (a CUDA illegal address leaves the context broken, and the process aborts
+    on its way out: the report already holds the failure); anything else that is not a pass is "broken"."""
+    if returncode == 0:
+        return "survived", "every selected test passed"
+    if node is not None and (returncode == 1 or returncode < 0):
+        outcome = "timeout" if "Timeout" in message else "killed"
+        return outcome, message + (f" (then pytest died of signal {-returncode})" if returncode < 0 else "")
+    return "broken", f"pytest exit {returncode}: {tail}"
 
 
 def baseline(mutants: list[Mutant], scratch: Path, *, gpu: bool, timeout: int, jobs: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mutants.mutant import DEFS, Mutant, MutantError, load_all
-from mutants.run import copy_tree, first_failure, select
+from mutants.run import classify, copy_tree, first_failure, select
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = load_all(DEFS)
@@ -89,3 +89,15 @@ def test_scratch_copy_leaves_out_the_venv_and_caches(tmp_path):
     copy_tree(src, tmp_path / "dst")
     copied = sorted(str(p.relative_to(tmp_path / "dst")) for p in (tmp_path / "dst").rglob("*") if p.is_file())
     assert copied == ["fixtures/build/b.py", "vendored/a.py"]
+
+
+def test_classify_counts_a_failure_in_the_report_as_a_kill_even_if_pytest_then_aborts():
+    assert classify(0, None, "", "") == ("survived", "every selected test passed")
+    assert classify(1, "t.py::a", "AssertionError: y", "") == ("killed", "AssertionError: y")
+    assert classify(1, "t.py::a", "Failed: Timeout >60.0s", "") == ("timeout", "Failed: Timeout >60.0s")
+    outcome, message = classify(-6, "t.py::a", "RuntimeError: CUDA error: an illegal memory access", "")
+    assert outcome == "killed" and message.endswith("(then pytest died of signal 6)")
+    # no failing test in the report: the mutant broke the run itself (collection error, crash before any report)
+    assert classify(-6, None, "", "frame #21")[0] == "broken"
+    assert classify(2, "t.py", "ImportError", "interrupted")[0] == "broken"
+
