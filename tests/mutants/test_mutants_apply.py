@@ -100,4 +100,3 @@ def test_classify_counts_a_failure_in_the_report_as_a_kill_even_if_pytest_then_a
     # no failing test in the report: the mutant broke the run itself (collection error, crash before any report)
     assert classify(-6, None, "", "frame #21")[0] == "broken"
     assert classify(2, "t.py", "ImportError", "interrupted")[0] == "broken"
-
