@@ -48,7 +48,10 @@ def candidates(default) -> dict[str, object]:
     out["warps8_max_registers128"] = default._replace(warps=8, max_registers=128)
     # (stage 3 handing stage 4 the states entering the chunks as bf16 pieces, so that stage 4 does not split each
     # again for each of its row tiles, was slower: stage 4 2310 vs 2188 µs and stage 3 378 vs 266 µs at 32K tokens,
-    # bench/results/2026-11-30-h200-session4/sweep_scan_split_states.txt)
+    # bench/results/2026-11-30-h200-session4/sweep_scan_split_states.txt; and stage 4 computing C·Bᵀ itself, per head
+    # and 32 columns at a time, so that the weights stay in registers between the two products instead of going
+    # through shared memory, as flash attention does: 2.70 ms (168 registers) and 3.59 ms (uncapped, 205) against
+    # 2.18, experiment_stage4_cb_per_head.json there: every head recomputes its group's C·Bᵀ)
     # not a launch choice: the fp32 intermediates rounded to bf16 for one product each, as the peers do (outputs fail
     # our accuracy tests); what the numerics policy costs, measured
     out["EXPERIMENT_rounded_products"] = default._replace(exact_products=False)
