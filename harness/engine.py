@@ -1,7 +1,7 @@
 """One interface for every engine: requests in, teacher-forced prompt logprobs and greedy continuations out.
 
 An engine is built from (checkpoint directory, dtype, device, `EngineOptions`), used as a context manager that frees
-its model on exit, and driven by `run(requests)`. The options are the knobs a scenario turns (DESIGN.md §3). An
+its model on exit, and driven by `run(requests)`. The options are the knobs a scenario turns (docs/design.md §3). An
 adapter that cannot honour an option lists the reason in `unsupported(...)`; constructing it with such an option
 raises `UnsupportedOptions`, so an option is never silently ignored.
 
@@ -138,9 +138,12 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """The configuration knobs scenarios turn (DESIGN.md §3). None / 1 / False are "the engine's plain default".
+    """The configuration knobs scenarios turn (docs/design.md §3). None / 1 / False are "the engine's plain default".
 
     max_num_batched_tokens: token budget of one engine step (prefill pieces and decodes together): chunked prefill.
+    long_prefill_token_threshold: the most tokens one request's prefill piece takes in a step (vLLM's knob), so that
+    several prompts advance, each continuing from its saved state, in one step. num_kv_blocks, kv_block_size: the
+    K/V cache's capacity in blocks of that many tokens (a small cache forces preemption and recomputation).
     max_num_seqs: requests in flight at once. ssm_state_dtype: dtype the SSM state is stored in between steps.
     allow_long_context: accept positions past max_position_embeddings. engine_args: adapter-specific settings
     (an adapter that does not know a key reports it as unsupported).
@@ -148,6 +151,9 @@ class EngineOptions:
     """
 
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None
+    num_kv_blocks: int | None = None
+    kv_block_size: int | None = None
     max_num_seqs: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -157,7 +163,8 @@ class EngineOptions:
     engine_args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_num_batched_tokens", "long_prefill_token_threshold", "num_kv_blocks", "kv_block_size",
+                     "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: expected a positive integer or None, got {value!r}")

@@ -1,18 +1,20 @@
-"""The scenario matrix (DESIGN.md §5) as data, derived from the model's SSD chunk size Q and conv width W.
+"""The scenario matrix (docs/design.md §5) as data, derived from the model's SSD chunk size Q and conv width W.
 
 A scenario is a named engine configuration (`EngineOptions`) plus a workload (request shapes); its id is readable,
 e.g. `chunked_prefill-budget15-Q16`. Request lengths and token budgets are functions of Q and W, so another model
 gets its own boundary cases. Token ids come from a `PromptSource`: fixtures/prompts.jsonl when present (real text
 gives peaked distributions), else seeded random ids.
 
-Kinds: batching (alone / together / shuffled), chunked_prefill (token budgets), tp, pp, cudagraph, ssm_state_dtype,
-long. Where the piece boundaries of a chunked scenario fall is computed from the step plan of harness/schedule.py
-(vLLM v1's policy); `boundary_tags` reports it and the tests check that the budgets cover every case below.
+Kinds: batching (alone / together / shuffled), chunked_prefill (token budgets, and a per-piece cap), preemption
+(a K/V cache too small for the workload), tp, pp, cudagraph, ssm_state_dtype, long. Which boundary events a scenario
+produces is computed from its step plan (harness/events.py); tests/harness/test_event_coverage.py checks that every
+model's scenarios produce every event it can have (docs/scenarios.md lists them).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -23,7 +25,8 @@ import torch
 from reference.config import ModelConfig
 
 from .engine import EngineOptions, Request
-from .schedule import RequestShape, plan_steps
+from .events import plan_events
+from .schedule import DEFAULT_KV_BLOCK_SIZE, RequestShape
 
 # The long scenarios: a prompt past 100,000 tokens (not a multiple of any chunk or block size), prefilled in pieces of
 # 8192 tokens (the vendored adapter's default budget): the last pieces attend over ~100K keys, Hq·8192·100K scores,
@@ -31,19 +34,7 @@ from .schedule import RequestShape, plan_steps
 LONG_PROMPT_TOKENS = 100_003
 LONG_STEP_TOKENS = 8192
 
-KINDS = ("batching", "chunked_prefill", "tp", "pp", "cudagraph", "ssm_state_dtype", "long")
-
-# What the chunked_prefill budgets must make happen somewhere (under the reference schedule), by tag.
-BOUNDARY_TAGS = {
-    "split@Q-1": "a prompt piece ends one token before a chunk boundary (position ≡ Q-1 mod Q)",
-    "split@Q": "a prompt piece ends exactly on a chunk boundary (position ≡ 0 mod Q)",
-    "split@Q+1": "a prompt piece ends one token after a chunk boundary (position ≡ 1 mod Q)",
-    "split<W-1": "a prompt piece ends inside the first W-1 tokens (the next piece's conv window reaches the start)",
-    "budget_at_sequence_end": "a step's budget runs out exactly at the end of a prompt while another prompt waits",
-    "mixed_step": "one step holds prefill pieces of several requests together with decodes",
-    "one_token_prompt_with_decodes": "a whole one-token prompt is prefilled in a step that also holds decodes",
-}
-
+KINDS = ("batching", "chunked_prefill", "preemption", "tp", "pp", "cudagraph", "ssm_state_dtype", "long")
 
 @dataclass(frozen=True)
 class Scenario:
@@ -112,8 +103,9 @@ class PromptSource:
 # ---- workloads -------------------------------------------------------------------------------------------------
 
 def batching_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
-    """Lengths 1, W-1, Q-1, Q, Q+1 and 3Q (deduplicated), 6 new tokens each."""
-    lengths = dict.fromkeys([1, W - 1, Q - 1, Q, Q + 1, 3 * Q])
+    """Lengths 1, W-1, Q-1, Q, Q+1, 3Q and the first that ends on both a chunk and a K/V block boundary (lcm of Q
+    and the default block size), deduplicated, 6 new tokens each."""
+    lengths = dict.fromkeys([1, W - 1, Q - 1, Q, Q + 1, 3 * Q, math.lcm(Q, DEFAULT_KV_BLOCK_SIZE)])
     return tuple(RequestShape(n, 6) for n in lengths if n >= 1)
 
 
@@ -128,6 +120,33 @@ def decode_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
     """Six requests finishing one after another (2..12 new tokens): decode batches of 6, 5, 4, 3, 2, 1 rows."""
     lengths = (Q + 1, W - 1, Q - 1, 1, Q, 2 * Q)
     return tuple(RequestShape(max(n, 1), 2 + 2 * i) for i, n in enumerate(lengths))
+
+
+def capped_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
+    """Three prompts longer than a chunk first (3Q+2, 2Q+1, 2Q-1), then Q+1, W-1 and a one-token prompt arriving at
+    step 2, 4 new tokens each: under a per-piece cap of Q and a budget of 2Q + ⌈Q/2⌉ the first step takes Q, Q and
+    ⌈Q/2⌉ tokens of the first three, so the next step continues two of them on a chunk boundary and one inside a
+    chunk."""
+    return (RequestShape(3 * Q + 2, 4), RequestShape(2 * Q + 1, 4), RequestShape(max(2 * Q - 1, 1), 4),
+            RequestShape(Q + 1, 4), RequestShape(max(W - 1, 1), 4), RequestShape(1, 4, arrival_step=2))
+
+
+def preemption_block_size(Q: int) -> int:
+    return -(-Q // 2)
+
+
+def preemption_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
+    """Prompts of exactly 4 and 3 K/V blocks of ⌈Q/2⌉ tokens (the second longer than a chunk), 4 new tokens each."""
+    block = preemption_block_size(Q)
+    return RequestShape(4 * block, 4), RequestShape(3 * block, 4)
+
+
+def preemption_options(Q: int, W: int) -> EngineOptions:
+    """A K/V cache of exactly the 7 blocks the two prompts of `preemption_shapes` fill, and a budget that prefills both
+    in the first step: the first decode needs an eighth block, so the younger request is preempted, and recomputed
+    from position 0 through its first chunk boundary once the older one has finished."""
+    block = preemption_block_size(Q)
+    return EngineOptions(num_kv_blocks=7, kv_block_size=block, max_num_batched_tokens=7 * block)
 
 
 def cudagraph_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
@@ -152,41 +171,6 @@ def chunked_prefill_budgets(Q: int, W: int) -> list[int]:
     return sorted({1, 2, max(W - 1, 1), Q - 1, Q, Q + 1, 2 * Q + 1, 3 * Q + 2, 1000} - {0})
 
 
-def required_boundary_tags(W: int) -> set[str]:
-    """The BOUNDARY_TAGS a model with conv width W can have (with W <= 2 no piece can end inside the first W-1)."""
-    return set(BOUNDARY_TAGS) - ({"split<W-1"} if W <= 2 else set())
-
-
-def boundary_tags(shapes: Sequence[RequestShape], options: EngineOptions, Q: int, W: int) -> set[str]:
-    """Which BOUNDARY_TAGS the reference schedule of this workload under these options produces."""
-    plan = plan_steps(shapes, max_num_batched_tokens=options.max_num_batched_tokens,
-                      max_num_seqs=options.max_num_seqs)
-    tags: set[str] = set()
-    fed = [0] * len(shapes)
-    for step in plan:
-        prefill = [p for p in step.pieces if not p.decode]
-        decodes = len(step.pieces) - len(prefill)
-        if len(prefill) >= 2 and decodes:
-            tags.add("mixed_step")
-        for p in prefill:
-            if p.start == 0 and shapes[p.request].prompt_len == 1 and decodes:
-                tags.add("one_token_prompt_with_decodes")
-            if p.start > 0:
-                offset = p.start % Q
-                tags |= {tag for tag, hit in (("split@Q-1", offset == Q - 1), ("split@Q", offset == 0),
-                                              ("split@Q+1", offset == 1 % Q)) if hit}
-                if p.start < W - 1:
-                    tags.add("split<W-1")
-        last = step.pieces[-1]
-        for p in step.pieces:
-            fed[p.request] = p.stop
-        prompt_waits = any(fed[i] < s.prompt_len for i, s in enumerate(shapes))
-        if (step.n_tokens == options.max_num_batched_tokens and not last.decode
-                and last.stop == shapes[last.request].prompt_len and prompt_waits):
-            tags.add("budget_at_sequence_end")
-    return tags
-
-
 # ---- the matrix ------------------------------------------------------------------------------------------------
 
 def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
@@ -205,9 +189,21 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
     ]
     for budget in chunked_prefill_budgets(Q, W):
         options = EngineOptions(max_num_batched_tokens=budget)
-        tags = ", ".join(sorted(boundary_tags(chunked, options, Q, W)))
+        tags = ", ".join(sorted(plan_events(chunked, options, Q, W)))
         out.append(Scenario(f"chunked_prefill-budget{budget}-Q{Q}", "chunked_prefill", options, chunked,
                             f"token budget {budget} per step; {tags}"))
+    capped = capped_shapes(Q, W)
+    cap_options = EngineOptions(max_num_batched_tokens=2 * Q + -(-Q // 2), long_prefill_token_threshold=Q)
+    out.append(Scenario(f"chunked_prefill-capped-budget{cap_options.max_num_batched_tokens}-cap{Q}-Q{Q}",
+                        "chunked_prefill", cap_options, capped,
+                        f"token budget {cap_options.max_num_batched_tokens}, at most {Q} tokens a prompt piece: "
+                        + ", ".join(sorted(plan_events(capped, cap_options, Q, W)))))
+    preempt = preemption_options(Q, W)
+    out.append(Scenario(f"preemption-blocks{preempt.num_kv_blocks}x{preempt.kv_block_size}-Q{Q}", "preemption",
+                        preempt, preemption_shapes(Q, W),
+                        f"a K/V cache of {preempt.num_kv_blocks} blocks of {preempt.kv_block_size} tokens, too small "
+                        "for both long requests: " + ", ".join(sorted(plan_events(preemption_shapes(Q, W), preempt,
+                                                                                  Q, W)))))
     tp_sizes = sorted({1, 2, 4} | {next_power_of_two_above(G)})
     for tp in tp_sizes:
         if tp == 1:
@@ -223,7 +219,7 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
     out.append(Scenario(f"tp-size2-budget{tp_budget}-Q{Q}", "tp",
                         EngineOptions(tensor_parallel_size=2, max_num_batched_tokens=tp_budget), chunked,
                         f"tensor parallel over 2 ranks with chunked prefill, token budget {tp_budget}: "
-                        + ", ".join(sorted(boundary_tags(chunked, EngineOptions(max_num_batched_tokens=tp_budget),
+                        + ", ".join(sorted(plan_events(chunked, EngineOptions(max_num_batched_tokens=tp_budget),
                                                          Q, W))), marks=("tp",)))
     for pp in (1, 2):
         out.append(Scenario(f"pp-size{pp}", "pp", EngineOptions(pipeline_parallel_size=pp), batch,

@@ -4,9 +4,10 @@ Each planned step is one `forward_batch` call holding the pieces of several requ
 together), so the oracle itself runs every batching and chunked-prefill scenario and its results can be compared
 with its own unchunked run. fp64 by default, any dtype on request.
 
-Honours max_num_batched_tokens, max_num_seqs, arrival steps, allow_long_context and ssm_state_dtype (the SSM state
-is rounded to that dtype between steps, as an engine's state cache would hold it; a dtype wider than the run dtype
-is unsupported, since the oracle has no mixed-precision scan).
+Honours max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, arrival steps, num_kv_blocks and
+kv_block_size (the plan's preemptions and recomputations are executed too), allow_long_context and ssm_state_dtype
+(the SSM state is rounded to that dtype between steps, as an engine's state cache would hold it; a dtype wider than
+the run dtype is unsupported, since the oracle has no mixed-precision scan).
 engine_args: gated_norm = "grouped" (default; how Bamba was trained) | "full" (what transformers computes).
 """
 
@@ -17,7 +18,7 @@ import torch
 from reference.model import BambaReference, SequenceState
 
 from ..engine import Engine, EngineOptions, Request, RequestResult, log_softmax, parse_dtype, result_from_logprobs
-from ..schedule import Piece, RequestShape, plan_steps
+from ..schedule import Piece, RequestShape, plan_options, plan_steps
 
 
 class ReferenceEngine(Engine):
@@ -65,24 +66,29 @@ class ReferenceEngine(Engine):
 
     def _run(self, requests: list[Request]) -> list[RequestResult]:
         shapes = [RequestShape(len(r.prompt), r.max_new_tokens, r.arrival_step) for r in requests]
-        plan = plan_steps(shapes, max_num_batched_tokens=self.options.max_num_batched_tokens,
-                          max_num_seqs=self.options.max_num_seqs)
+        plan = plan_steps(shapes, **plan_options(self.options))
         states = [self.model.initial_state() for _ in requests]
-        rows: list[list[torch.Tensor]] = [[] for _ in requests]    # log-softmax rows (L, V) per piece
+        rows: list[dict[int, torch.Tensor]] = [{} for _ in requests]   # position -> (V,) log-softmax predicting +1
         outputs: list[list[int]] = [[] for _ in requests]
         for step in plan:
-            tokens = [torch.tensor([outputs[p.request][-1]]) if p.decode
-                      else torch.tensor(requests[p.request].prompt[p.start:p.stop]) for p in step.pieces]
+            tokens = []
+            for p in step.pieces:
+                if p.start == 0:                         # a first piece, or a preempted request recomputed
+                    states[p.request] = self.model.initial_state()
+                known = requests[p.request].prompt + tuple(outputs[p.request])
+                tokens.append(torch.tensor(known[p.start:p.stop]))
             logits, new_states = self.forward_step(list(step.pieces), tokens, [states[p.request] for p in step.pieces])
             for piece, piece_logits, state in zip(step.pieces, logits, new_states):
+                req, out = requests[piece.request], outputs[piece.request]
                 states[piece.request] = state
                 logprobs = log_softmax(piece_logits)                      # (L, V)
-                rows[piece.request].append(logprobs)
-                if piece.stop >= shapes[piece.request].prompt_len and requests[piece.request].max_new_tokens:
-                    outputs[piece.request].append(int(logprobs[-1].argmax()))
+                for offset, position in enumerate(range(piece.start, piece.stop)):
+                    rows[piece.request].setdefault(position, logprobs[offset])
+                if piece.stop == len(req.prompt) + len(out) and len(out) < req.max_new_tokens:
+                    out.append(int(logprobs[-1].argmax()))
         results = []
         for req, req_rows, out in zip(requests, rows, outputs):
-            seq_rows = torch.cat(req_rows)                                # (T + n - 1, V) with n >= 1, else (T, V)
+            seq_rows = torch.stack([req_rows[p] for p in sorted(req_rows)])   # (T + n - 1, V) with n >= 1, else (T, V)
             keep = len(req.prompt) - 1 + len(out)
             results.append(result_from_logprobs(req, seq_rows[:keep], out))
         return results

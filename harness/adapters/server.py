@@ -7,7 +7,9 @@ extension (`logprobs_mode`). Token ids come back as "token_id:N" (vLLM's `return
 answers with token strings is refused rather than guessed at. Requests go out at most `concurrency` at a time, each
 with a timeout, retried on connection errors only. Before any number is trusted the adapter checks that the server
 serves the expected model (GET /v1/models) and this checkpoint's vocabulary (a probe prompt holding the last
-token id must echo back the very ids sent, and token id V must be refused).
+token id must echo back the very ids sent, and token id V must be refused). A server found unreachable or silent
+(a timeout) is remembered by URL for the rest of the process: every later request to it, in this scenario or the
+next, fails at once with the same message instead of waiting out the timeout again.
 
 A server's batching knobs live in its launch flags. With `launch` (a command template) the adapter starts the server
 itself on a free loopback port, with the scenario's knobs filled in, waits until it answers, and stops it (its whole
@@ -20,7 +22,8 @@ never printed), concurrency (default 8), timeout (s per HTTP request, default 12
 default 3), logprobs_mode ("echo" default, or "prompt_logprobs"), launch, launch_timeout (s, default 600).
 Template fields: {python} (the vLLM interpreter), {checkpoint}, {granite_checkpoint} (converted as the vllm adapter
 does), {host}, {port}, {dtype}, {max_num_batched_tokens}, {max_num_seqs}, {tensor_parallel_size},
-{pipeline_parallel_size}, {ssm_state_dtype}, {enforce_eager} ("--enforce-eager" or "").
+{pipeline_parallel_size}, {ssm_state_dtype}, {enforce_eager} ("--enforce-eager" or ""),
+{long_prefill_token_threshold} (0: off). num_kv_blocks and kv_block_size have no field: a server sizes its own cache.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import os
 import socket
 import string
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -50,12 +54,27 @@ PROBE_LENGTH = 6
 
 # Knob -> template field. A launched server honours a knob only if its field is in the template.
 _KNOB_FIELDS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
+                "long_prefill_token_threshold": "long_prefill_token_threshold",
                 "tensor_parallel_size": "tensor_parallel_size", "pipeline_parallel_size": "pipeline_parallel_size",
                 "ssm_state_dtype": "ssm_state_dtype", "cuda_graphs": "enforce_eager"}
 
 
 class ServerError(RuntimeError):
     """The server is unreachable, serves something else, answers with an HTTP error, malformed JSON or too late."""
+
+
+# Base URL -> the message that found the server unreachable or silent, for the whole process: a server that took
+# the full timeout once (accepting connections and never answering) would otherwise take it again in every scenario
+# and every request. HTTP errors and malformed answers are answers: they are not remembered.
+_failed_servers: dict[str, str] = {}
+_failed_servers_lock = threading.Lock()
+REMEMBERED_NOTE = " (found earlier in this process; not asked again)"
+
+
+def _remember_failure(base_url: str, message: str) -> ServerError:
+    with _failed_servers_lock:
+        _failed_servers.setdefault(base_url, message)
+    return ServerError(message)
 
 
 def template_fields(template: str) -> set[str]:
@@ -103,8 +122,8 @@ class ServerEngine(Engine):
             self.server = LaunchedServer(args["launch"], self._launch_fields(),
                                          timeout=float(args.get("launch_timeout", 600)))
             self.base_url = self.server.base_url
-            try:
-                self.server.wait_until_ready(lambda: self._get("/v1/models", retries=0))
+            try:   # refused connections are expected while it starts: not remembered as a failure
+                self.server.wait_until_ready(lambda: self._get("/v1/models", retries=0, remember=False))
             except BaseException:
                 self.server.stop()
                 raise
@@ -128,6 +147,7 @@ class ServerEngine(Engine):
             "max_num_seqs": opts.max_num_seqs or 64, "tensor_parallel_size": opts.tensor_parallel_size,
             "pipeline_parallel_size": opts.pipeline_parallel_size, "ssm_state_dtype": opts.ssm_state_dtype or "auto",
             "enforce_eager": "" if opts.cuda_graphs else "--enforce-eager",
+            "long_prefill_token_threshold": opts.long_prefill_token_threshold or 0,      # vLLM: 0 is off
         }
         if "granite_checkpoint" in template_fields(template):
             fields["granite_checkpoint"] = str(granite_checkpoint(self.checkpoint))
@@ -142,8 +162,18 @@ class ServerEngine(Engine):
     def _redact(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text
 
-    def _http(self, method: str, path: str, body: dict | None, *, retries: int | None = None) -> Any:
-        """One JSON call with retries on connection errors; ServerError with a clear message otherwise."""
+    def _http(self, method: str, path: str, body: dict | None, *, retries: int | None = None,
+              remember: bool = True) -> Any:
+        """One JSON call with retries on connection errors; ServerError with a clear message otherwise. A server
+        already found unreachable or silent fails at once; `remember`: record such a finding here."""
+        with _failed_servers_lock:
+            known = _failed_servers.get(self.base_url)
+        if known is not None:
+            raise ServerError(known + REMEMBERED_NOTE)
+
+        def failure(message: str) -> ServerError:
+            return _remember_failure(self.base_url, message) if remember else ServerError(message)
+
         url = self.base_url + path
         headers = {"Content-Type": "application/json"}
         if self._api_key:
@@ -161,16 +191,16 @@ class ServerEngine(Engine):
                 raise ServerError(self._redact(f"server {self.base_url} answered HTTP {err.code} to {method} {path}: "
                                                f"{detail}")) from None
             except (TimeoutError, socket.timeout) as err:
-                raise ServerError(f"server {self.base_url} did not answer {method} {path} within {self.timeout:g} s "
-                                  f"({err})") from None
+                raise failure(f"server {self.base_url} did not answer {method} {path} within {self.timeout:g} s "
+                              f"({err})") from None
             except (urllib.error.URLError, ConnectionError, HTTPException, OSError) as err:
                 reason = getattr(err, "reason", err)
                 if isinstance(reason, (TimeoutError, socket.timeout)):
-                    raise ServerError(f"server {self.base_url} did not answer {method} {path} within "
-                                      f"{self.timeout:g} s") from None
+                    raise failure(f"server {self.base_url} did not answer {method} {path} within "
+                                  f"{self.timeout:g} s") from None
                 if attempt + 1 == attempts:
-                    raise ServerError(f"server {self.base_url} is unreachable ({method} {path}, {attempts} "
-                                      f"attempts): {reason}") from None
+                    raise failure(f"server {self.base_url} is unreachable ({method} {path}, {attempts} "
+                                  f"attempts): {reason}") from None
                 time.sleep(min(0.5 * 2 ** attempt, 5.0))
         try:
             return json.loads(raw)
@@ -178,8 +208,8 @@ class ServerEngine(Engine):
             raise ServerError(self._redact(f"server {self.base_url}: malformed response to {method} {path} (not "
                                            f"JSON): {raw[:300]!r}")) from None
 
-    def _get(self, path: str, retries: int | None = None) -> Any:
-        return self._http("GET", path, None, retries=retries)
+    def _get(self, path: str, retries: int | None = None, remember: bool = True) -> Any:
+        return self._http("GET", path, None, retries=retries, remember=remember)
 
     def _check_model(self, expected: str | None) -> str:
         listing = self._get("/v1/models")

@@ -6,15 +6,41 @@ forward over the padded prompts gives the teacher-forced prompt logprobs and the
 token is one decode step with the model's cache.
 
 It cannot honour a prefill token budget, tensor/pipeline parallelism, CUDA graphs or an SSM state dtype, and it has
-no scheduler steps: unsupported() says so. Numerics finding: its gated RMSNorm normalises over all H·P channels,
-where Bamba (and the oracle) normalise per group of H·P/G, so it disagrees with the oracle whenever G > 1.
+no scheduler steps: unsupported() says so. A pure-Mamba2 checkpoint (no attention layer) is unsupported too:
+transformers cannot build the attention mask from a cache without attention layers (a pinned finding,
+tests/reference/test_against_transformers.py), and every forward here uses the cache.
+
+Numerics finding: its gated RMSNorm normalises over all H·P channels, where Bamba (and the default oracle) normalise
+per group of H·P/G, so it disagrees with that oracle whenever G > 1 and agrees with the oracle made with
+--gated-norm full (Oracle(gated_norm="full")). Loading such a checkpoint logs that once (gated_norm_note), and
+oracle_hint gives the line for a report judged against a grouped oracle.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
 
-from ..engine import Engine, EngineOptions, Request, RequestResult, log_softmax, result_from_logprobs
+from reference.config import ModelConfig
+
+from ..engine import (Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, log_softmax,
+                      result_from_logprobs)
+
+log = logging.getLogger(__name__)
+# Checkpoints whose gated-norm note was logged already: one line per checkpoint and process, not one per scenario.
+_noted: set[Path] = set()
+
+
+def gated_norm_note(cfg: ModelConfig) -> str | None:
+    """The one-line note for a checkpoint with G > 1 (None for G = 1, where both norms are the same)."""
+    G = cfg.mamba_n_groups
+    if G == 1:
+        return None
+    return (f"transformers normalises the gated RMSNorm over all H·P = {cfg.mamba_inner} channels, Bamba per group "
+            f"of H·P/G = {cfg.mamba_inner // G}: with mamba_n_groups = {G} it agrees only with the oracle made with "
+            "--gated-norm full (Oracle(gated_norm=\"full\")), not with the default grouped one")
 
 
 class TransformersEngine(Engine):
@@ -32,9 +58,14 @@ class TransformersEngine(Engine):
     @classmethod
     def _unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: torch.device) -> list[str]:
         reasons = []
-        if options.max_num_batched_tokens is not None:
-            reasons.append(f"max_num_batched_tokens = {options.max_num_batched_tokens}: transformers prefills each "
-                           "prompt in one forward (no chunked prefill)")
+        for knob in ("max_num_batched_tokens", "long_prefill_token_threshold"):
+            if getattr(options, knob) is not None:
+                reasons.append(f"{knob} = {getattr(options, knob)}: transformers prefills each prompt in one forward "
+                               "(no chunked prefill)")
+        for knob in ("num_kv_blocks", "kv_block_size"):
+            if getattr(options, knob) is not None:
+                reasons.append(f"{knob} = {getattr(options, knob)}: transformers has no paged K/V cache (no "
+                               "preemption)")
         if options.tensor_parallel_size > 1 or options.pipeline_parallel_size > 1:
             reasons.append(f"tensor_parallel_size = {options.tensor_parallel_size}, pipeline_parallel_size = "
                            f"{options.pipeline_parallel_size}: the adapter runs on one device")
@@ -45,9 +76,25 @@ class TransformersEngine(Engine):
                            "own dtype")
         return reasons
 
+    @classmethod
+    def oracle_hint(cls, cfg: ModelConfig, oracle_gated_norm: str) -> str | None:
+        """Why this engine fails against an oracle with this gated norm, when it is known to (None otherwise): for a
+        report's meta, so that a FAIL of every scenario says what to change."""
+        return gated_norm_note(cfg) if oracle_gated_norm == "grouped" else None
+
     def _load(self) -> None:
+        import transformers
         from transformers import BambaForCausalLM
 
+        if not self.cfg.attn_layer_indices:
+            raise UnsupportedOptions(self.name, [
+                f"a pure-Mamba2 checkpoint (attn_layer_indices = []): transformers {transformers.__version__} cannot "
+                "build the attention mask from a cache without attention layers (get_seq_length fails), and the "
+                "adapter runs every forward with its cache"])
+        note = gated_norm_note(self.cfg)
+        if note is not None and self.checkpoint.resolve() not in _noted:
+            _noted.add(self.checkpoint.resolve())
+            log.warning(note)
         self.model = BambaForCausalLM.from_pretrained(self.checkpoint, dtype=self.dtype).to(self.device).eval()
 
     # The largest single tensor the adapter lets transformers' PyTorch SSD path allocate (see cannot_run).

@@ -1,19 +1,22 @@
 """The vendored engine (vendored/engine on the kernels of vendored/ops) as a harness engine.
 
-Honours max_num_batched_tokens, max_num_seqs, ssm_state_dtype, allow_long_context, cuda_graphs (on a CUDA device:
-decode-only steps padded to captured sizes and replayed), tensor_parallel_size, pipeline_parallel_size (worker
-processes: gloo on the CPU, one CUDA device per rank with NCCL) and arrival steps. engine_args: num_kv_blocks (a
-smaller K/V cache forces preemption), block_size, parallel_timeout_s. The engine is built per run, sized for the
+Honours max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, num_kv_blocks and kv_block_size (a small
+K/V cache forces preemption), ssm_state_dtype, allow_long_context, cuda_graphs (on a CUDA device: decode-only steps
+padded to captured sizes and replayed), tensor_parallel_size, pipeline_parallel_size (worker processes: gloo on the
+CPU, one CUDA device per rank with NCCL) and arrival steps. engine_args: parallel_timeout_s. The engine is built per run, sized for the
 longest request of that run (max_model_len), so a scenario's memory is what its requests need. A model that cannot
 be split over the asked ranks (heads not divisible by tp, ...) is reported unsupported; CUDA graphs are for one rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..engine import (Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name,
                       result_from_logprobs)
+from ..schedule import DEFAULT_KV_BLOCK_SIZE
 
 # What the engine does when a scenario leaves a knob at None: no chunking for these prompt sizes, 64 in flight.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -23,9 +26,11 @@ DEFAULT_MAX_NUM_SEQS = 64
 class VendoredEngine(Engine):
     name = "vendored"
     default_dtype = torch.float32
-    engine_arg_names = frozenset({"num_kv_blocks", "block_size", "parallel_timeout_s"})
+    engine_arg_names = frozenset({"parallel_timeout_s"})
     has_scheduler = True
     slow_on_cpu = True          # the Triton interpreter: the generic matrix runs it under `slow`; tests/engine do not
+    # Called after every engine step (a progress bar's tick; harness/runner.py sets it); it sees nothing of the step.
+    step_callback: Callable[[], None] | None = None
 
     @classmethod
     def dependency_problem(cls) -> str | None:
@@ -72,7 +77,8 @@ class VendoredEngine(Engine):
             self.checkpoint, dtype=dtype_name(self.dtype), device=self.device,
             max_num_batched_tokens=opts.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=opts.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=max_model_len,
-            num_kv_blocks=opts.engine_args.get("num_kv_blocks"), block_size=opts.engine_args.get("block_size", 16),
+            num_kv_blocks=opts.num_kv_blocks, block_size=opts.kv_block_size or DEFAULT_KV_BLOCK_SIZE,
+            long_prefill_token_threshold=opts.long_prefill_token_threshold,
             ssm_state_dtype=opts.ssm_state_dtype or "float32", allow_long_context=opts.allow_long_context,
             cuda_graphs=opts.cuda_graphs,
             tensor_parallel_size=opts.tensor_parallel_size, pipeline_parallel_size=opts.pipeline_parallel_size,
@@ -81,6 +87,8 @@ class VendoredEngine(Engine):
     def _run(self, requests: list[Request]) -> list[RequestResult]:
         self._close_engine()
         self.engine = self._build(max(len(r.prompt) + r.max_new_tokens for r in requests))
+        if self.step_callback is not None:
+            self.engine.step = _counted(self.engine.step, self.step_callback)
         now = [(r.request_id, list(r.prompt), r.max_new_tokens) for r in requests if r.arrival_step == 0]
         later: dict[int, list] = {}
         for r in requests:
@@ -103,3 +111,12 @@ class VendoredEngine(Engine):
     def close(self) -> None:
         self._close_engine()
         super().close()
+
+
+def _counted(step: Callable[[], list], tick: Callable[[], None]) -> Callable[[], list]:
+    """`step` that calls `tick` after each step it runs (LLMEngine.generate drives its loop through self.step)."""
+    def counted_step() -> list:
+        outputs = step()
+        tick()
+        return outputs
+    return counted_step

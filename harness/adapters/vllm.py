@@ -52,7 +52,7 @@ CPU_MEMORY_UTILIZATION = 0.1
 # vLLM's name for our knob -> the EngineOptions field, for the check of the configuration vLLM settled on.
 _CHECKED = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
             "tensor_parallel_size": "tensor_parallel_size", "pipeline_parallel_size": "pipeline_parallel_size",
-            "mamba_ssm_cache_dtype": "ssm_state_dtype"}
+            "mamba_ssm_cache_dtype": "ssm_state_dtype", "long_prefill_token_threshold": "long_prefill_token_threshold"}
 
 _PROBE = r"""
 import importlib.metadata as md, importlib.util as iu, json, os
@@ -178,6 +178,10 @@ class VllmEngine(Engine):
             reasons.append(f"dtype {dtype_name(dtype)}: vLLM runs float32, bfloat16 or float16")
         if options.cuda_graphs and device.type != "cuda":
             reasons.append(f"cuda_graphs on {device.type}: CUDA graphs need a CUDA device")
+        for knob in ("num_kv_blocks", "kv_block_size"):
+            if getattr(options, knob) is not None:
+                reasons.append(f"{knob} = {getattr(options, knob)}: vLLM sizes its hybrid K/V and Mamba cache itself "
+                               "(its block size follows the Mamba state's page size)")
         return reasons
 
     # ---- the worker --------------------------------------------------------------------------------------------
@@ -220,6 +224,8 @@ class VllmEngine(Engine):
         }
         if opts.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = opts.max_num_batched_tokens
+        if opts.long_prefill_token_threshold is not None:
+            kwargs["long_prefill_token_threshold"] = opts.long_prefill_token_threshold
         if opts.ssm_state_dtype is not None:
             kwargs["mamba_ssm_cache_dtype"] = opts.ssm_state_dtype
         utilization = args.get("gpu_memory_utilization", CPU_MEMORY_UTILIZATION if self.device.type == "cpu" else None)

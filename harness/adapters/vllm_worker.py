@@ -87,6 +87,7 @@ def effective_config(llm) -> dict:
         "mamba_ssm_cache_dtype": config.cache_config.mamba_ssm_cache_dtype,
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
         "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "long_prefill_token_threshold": config.scheduler_config.long_prefill_token_threshold,
         "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
         "enforce_eager": config.model_config.enforce_eager,
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,

@@ -49,7 +49,7 @@ def draw_schedule(seed: int) -> tuple[list[Request], EngineOptions]:
     need = max(-(-(len(r.prompt) + r.max_new_tokens) // block_size) for r in requests)
     options = EngineOptions(max_num_batched_tokens=rng.choice([1, 2, 3, 5, 8, 9, 17, 64]),
                             max_num_seqs=rng.randint(1, 4),
-                            engine_args={"block_size": block_size, "num_kv_blocks": need + rng.randint(0, 4)})
+                            kv_block_size=block_size, num_kv_blocks=need + rng.randint(0, 4))
     return requests, options
 
 

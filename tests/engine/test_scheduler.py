@@ -1,6 +1,11 @@
 """The vendored engine's scheduler alone (no model): budgets, ordering, slots, K/V blocks and preemption."""
 
+import random
+
+import pytest
 import torch
+
+from harness.schedule import RequestShape, plan_steps
 
 from vendored.engine.cache import KVCache, StatePool
 from vendored.engine.scheduler import Scheduler, Sequence
@@ -121,3 +126,65 @@ def test_token_span_and_token_at_read_prompt_then_output_at_every_boundary():
     for start in range(10):
         for length in range(10 - start):
             assert seq.token_span(start, length) == whole[start:start + length], (start, length)
+
+
+def _run_scheduler(shapes, *, budget, max_num_seqs, cap, blocks, block_size):
+    """Drive the real Scheduler through a whole workload the way LLMEngine.generate does (arrivals before their step,
+    idle steps counted); the pieces of each step as (request index, start, stop, decode)."""
+    sched = Scheduler(StatePool(CFG, max_num_seqs, dtype=torch.float32, state_dtype=torch.float32,
+                                device=torch.device("cpu")),
+                      KVCache(CFG, blocks, block_size, dtype=torch.float32, device=torch.device("cpu")),
+                      max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, long_prefill_token_threshold=cap)
+    order = sorted(range(len(shapes)), key=lambda i: (shapes[i].arrival_step, i))
+    pending = list(order)
+    steps, clock = [], 0
+    while pending or sched.has_work():
+        while pending and shapes[pending[0]].arrival_step <= clock:
+            i = pending.pop(0)
+            sched.add(Sequence(str(i), [1] * shapes[i].prompt_len, shapes[i].max_new_tokens, 5, order.index(i),
+                               prompt_logprobs=[None] * (shapes[i].prompt_len - 1)))
+        if sched.has_work():
+            pieces = sched.schedule()
+            steps.append((clock, [(int(p.seq.request_id), p.start, p.start + p.length, p.is_decode) for p in pieces]))
+            _advance(sched, pieces)
+        clock += 1
+    return steps
+
+
+def _random_workload(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    shapes = [RequestShape(rng.randint(1, 30), rng.randint(1, 5), rng.choice([0, 0, 0, 2, 5]))
+              for _ in range(rng.randint(1, 6))]
+    longest = max(-(-(s.prompt_len + s.max_new_tokens) // block_size) for s in shapes)
+    return shapes, dict(budget=rng.choice([1, 3, 8, 17, 64]), max_num_seqs=rng.randint(1, 4),
+                        cap=rng.choice([None, None, 2, 5]), blocks=longest + rng.randint(0, 3), block_size=block_size)
+
+
+def _plan(shapes, budget, max_num_seqs, cap, blocks, block_size):
+    return plan_steps(shapes, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                      long_prefill_token_threshold=cap, num_kv_blocks=blocks, kv_block_size=block_size)
+
+
+SEEDS = range(60)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scheduler_follows_the_reference_plan(seed):
+    """harness/schedule.py's plan, from which the scenarios prove their boundary events, is this scheduler's schedule:
+    budgets, per-piece caps, max_num_seqs, arrivals and K/V preemption with recomputation, on random workloads."""
+    shapes, options = _random_workload(seed)
+    expected = [(s.index, [(p.request, p.start, p.stop, p.decode) for p in s.pieces]) for s in _plan(shapes, **options)]
+    assert _run_scheduler(shapes, **options) == expected
+
+
+def test_the_random_workloads_preempt_and_cap():
+    """The workloads of the test above do preempt and do cap pieces, or it would prove nothing of either."""
+    preempting = capping = 0
+    for seed in SEEDS:
+        shapes, options = _random_workload(seed)
+        plan = _plan(shapes, **options)
+        firsts = [p.request for s in plan for p in s.pieces if p.start == 0]
+        preempting += len(firsts) > len(set(firsts))                # a request fed from position 0 twice
+        capping += any(p.length == options["cap"] for s in plan for p in s.pieces if not p.decode)
+    assert preempting >= 5 and capping >= 5, (preempting, capping)

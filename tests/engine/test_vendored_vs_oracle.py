@@ -45,7 +45,7 @@ def test_64_requests_through_8_slots_with_preemption(tiny_oracle, tiny_prompts):
     requests = [Request(f"r{i}", tiny_prompts.tokens(s.prompt_len, i), s.max_new_tokens, 5, 0, True)
                 for i, s in enumerate(shapes)]
     options = EngineOptions(max_num_seqs=8, max_num_batched_tokens=40,
-                            engine_args={"num_kv_blocks": 6, "block_size": 2})
+                            num_kv_blocks=6, kv_block_size=2)
     with VendoredEngine(tiny_oracle.checkpoint, dtype=torch.float32, device="cpu", options=options) as engine:
         results = engine.run(requests)
         preemptions = engine.engine.total_preemptions

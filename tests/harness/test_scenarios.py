@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -11,14 +12,13 @@ from harness import pytest_plugin
 from harness.adapters.reference import ReferenceEngine
 from harness.engine import EngineOptions
 from harness.pytest_plugin import scenario_cases
+from harness.events import plan_events
 from harness.scenarios import (
     PromptSource,
     batching_shapes,
-    boundary_tags,
     build_scenarios,
     chunked_prefill_budgets,
     chunked_shapes,
-    required_boundary_tags,
     select_scenarios,
 )
 from harness.schedule import RequestShape, plan_steps
@@ -37,6 +37,7 @@ def test_scenario_ids_for_q16_w4():
         "chunked_prefill-budget1-Q16", "chunked_prefill-budget2-Q16", "chunked_prefill-budget3-Q16",
         "chunked_prefill-budget15-Q16", "chunked_prefill-budget16-Q16", "chunked_prefill-budget17-Q16",
         "chunked_prefill-budget33-Q16", "chunked_prefill-budget50-Q16", "chunked_prefill-budget1000-Q16",
+        "chunked_prefill-capped-budget40-cap16-Q16", "preemption-blocks7x8-Q16",
         "tp-size1", "tp-size2", "tp-size4", "tp-size2-budget17-Q16", "pp-size1", "pp-size2",
         "cudagraph-off", "cudagraph-on",
         "ssm_state_dtype-float32", "ssm_state_dtype-bfloat16", "long-past_max_positions", "long-100k",
@@ -47,15 +48,14 @@ def test_scenario_ids_for_q16_w4():
 @pytest.mark.parametrize("Q,W", [(16, 4), (8, 4), (256, 4), (8, 2), (64, 3)])
 def test_batching_lengths_derive_from_q_and_w(Q, W):
     lengths = {s.prompt_len for s in batching_shapes(Q, W)}
-    assert lengths == {1, W - 1, Q - 1, Q, Q + 1, 3 * Q}
+    assert lengths == {1, W - 1, Q - 1, Q, Q + 1, 3 * Q, math.lcm(Q, 16)}
 
 
 @pytest.mark.parametrize("Q,W", [(16, 4), (8, 4), (256, 4), (8, 2), (64, 3)])
-def test_chunked_budgets_cover_every_boundary_case(Q, W):
+def test_chunked_budgets_split_next_to_chunk_boundaries(Q, W):
     shapes = chunked_shapes(Q, W)
-    tags = {b: boundary_tags(shapes, EngineOptions(max_num_batched_tokens=b), Q, W)
+    tags = {b: plan_events(shapes, EngineOptions(max_num_batched_tokens=b), Q, W)
             for b in chunked_prefill_budgets(Q, W)}
-    assert set().union(*tags.values()) >= required_boundary_tags(W)
     assert 1 in tags
     assert "split@Q-1" in tags[Q - 1] and "split@Q" in tags[Q] and "split@Q+1" in tags[Q + 1]
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .cache import KVCache, StatePool
@@ -32,6 +34,18 @@ class RequestOutput:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _token_id(request_id: str, pos: int, token) -> int:
+    """token as an int: Python and numpy integers (and integer 0-d tensors) pass; floats, bools and anything else
+    are an EngineError naming the request and the position."""
+    if not (isinstance(token, (bool, np.bool_)) or (isinstance(token, torch.Tensor) and token.dtype == torch.bool)):
+        try:
+            return operator.index(token)
+        except TypeError:
+            pass
+    raise EngineError(f"request {request_id}: token id {token!r} at position {pos} is a {type(token).__name__}, "
+                      "expected an integer")
+
+
 def _dtype(value) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
@@ -53,19 +67,24 @@ class LLMEngine:
     tensor_parallel_size, pipeline_parallel_size: with more than one rank in all, the engine spawns that many worker
     processes (vendored/engine/parallel.py; on CUDA, one device each from `device` on) and joins them in close();
     parallel_timeout_s bounds start-up and every step, after which the call fails with the workers' stacks. CUDA
-    graphs are for a single rank (a parallel engine with cuda_graphs is refused).
+    graphs are for a single rank (a parallel engine with cuda_graphs is refused). long_prefill_token_threshold: the
+    most tokens one prefill piece takes in a step (vLLM's knob), so that several prompts advance in the same step.
     """
 
     def __init__(self, checkpoint: str | Path, *, dtype="float32", device="cpu", max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_kv_blocks: int | None = None,
                  block_size: int = 16, ssm_state_dtype="float32", allow_long_context: bool = False,
                  cuda_graphs: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 parallel_timeout_s: float = 600.0) -> None:
+                 parallel_timeout_s: float = 600.0, long_prefill_token_threshold: int | None = None) -> None:
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size), ("tensor_parallel_size", tensor_parallel_size),
                             ("pipeline_parallel_size", pipeline_parallel_size)):
             if not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name}: expected a positive integer, got {value!r}")
+        if long_prefill_token_threshold is not None and (not isinstance(long_prefill_token_threshold, int)
+                                                         or long_prefill_token_threshold < 1):
+            raise EngineError("long_prefill_token_threshold: expected a positive integer or None, got "
+                              f"{long_prefill_token_threshold!r}")
         try:
             self.cfg, tensors = load(checkpoint)
         except Exception as err:          # noqa: BLE001 - any loading failure becomes one clear engine error
@@ -105,8 +124,9 @@ class LLMEngine:
         self.graphs = DecodeGraphRunner(self.model, self.states, self.kv, max_num_seqs=max_num_seqs,
                                         max_model_len=self.max_model_len) if cuda_graphs else None
         self.scheduler = Scheduler(self.states, self.kv, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs)
+                                   max_num_seqs=max_num_seqs, long_prefill_token_threshold=long_prefill_token_threshold)
         self._arrivals = 0
+        self._in_flight: set[str] = set()          # ids added and not yet finished: outputs are matched by id
         self.steps = 0
         self.total_preemptions = 0
 
@@ -119,7 +139,21 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int = 0, top_k: int = 5,
                     keep_rows: bool = False) -> None:
-        prompt = [int(t) for t in prompt]
+        """Queue a request; EngineError naming the request (and the position) if the engine cannot serve it."""
+        prompt = self._checked_prompt(request_id, prompt, max_new_tokens)
+        self.scheduler.add(Sequence(request_id, prompt, max_new_tokens, top_k, self._arrivals, keep_rows=keep_rows,
+                                    prompt_logprobs=[None] * (len(prompt) - 1)))
+        self._in_flight.add(request_id)
+        self._arrivals += 1
+
+    def _checked_prompt(self, request_id: str, prompt, max_new_tokens: int) -> list[int]:
+        """The prompt as a list of ints, after every check: the id is not in flight (an output names only its id),
+        every token id is an integer (Python or numpy ints; int() would silently truncate 3.7 to 3 and read True as
+        1) inside the vocabulary, and the request fits max_model_len and the K/V cache."""
+        if request_id in self._in_flight:
+            raise EngineError(f"request {request_id}: duplicate request id, a request with this id is already in "
+                              "flight (outputs are matched to requests by id)")
+        prompt = [_token_id(request_id, pos, tok) for pos, tok in enumerate(prompt)]
         if not prompt:
             raise EngineError(f"request {request_id}: empty prompt")
         for pos, tok in enumerate(prompt):
@@ -133,9 +167,7 @@ class LLMEngine:
         if self.kv.blocks_for(total) > self.kv.num_blocks:
             raise EngineError(f"request {request_id}: needs {self.kv.blocks_for(total)} K/V blocks, the cache has "
                               f"{self.kv.num_blocks}")
-        self.scheduler.add(Sequence(request_id, prompt, max_new_tokens, top_k, self._arrivals, keep_rows=keep_rows,
-                                    prompt_logprobs=[None] * (len(prompt) - 1)))
-        self._arrivals += 1
+        return prompt
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -160,6 +192,7 @@ class LLMEngine:
             if piece.seq.finished:
                 self.total_preemptions += piece.seq.preemptions
                 self.scheduler.finish(piece.seq)
+                self._in_flight.discard(piece.seq.request_id)
                 done.append(self._output(piece.seq))
         return done
 
@@ -229,12 +262,27 @@ class LLMEngine:
                              list(seq.output_logprobs), list(seq.output_top), seq.preemptions, rows)
 
     # ---- driving -----------------------------------------------------------------------------------------
+    def _check_all(self, requests: list, arrivals: dict[int, list]) -> None:
+        """Every request of a generate call checked before any is queued, so that a bad one leaves the engine as it
+        was. Outputs are returned by id: two requests sharing one would both get the output of whichever finished
+        last."""
+        seen: dict[str, str] = {}
+        places = [(f"requests[{i}]", r) for i, r in enumerate(requests)]
+        places += [(f"arrivals[{step}][{i}]", r) for step in sorted(arrivals) for i, r in enumerate(arrivals[step])]
+        for place, (request_id, prompt, max_new) in places:
+            if request_id in seen:
+                raise EngineError(f"request {request_id}: duplicate request id ({seen[request_id]} and {place}); "
+                                  "outputs are matched to requests by id")
+            seen[request_id] = place
+            self._checked_prompt(request_id, prompt, max_new)
+
     def generate(self, requests: list[tuple[str, list[int], int]], *, arrivals: dict[int, list] | None = None,
                  top_k: int = 5, keep_rows: bool = False, max_steps: int = 1_000_000) -> list[RequestOutput]:
         """Run requests (id, prompt, max_new_tokens) to completion; arrivals maps a step number to more requests
         that arrive before that step. Returns outputs in the order the requests were given."""
         pending = dict(arrivals or {})
         order = [r[0] for r in requests] + [r[0] for step in sorted(pending) for r in pending[step]]
+        self._check_all(requests, pending)
         for request_id, prompt, max_new in requests:
             self.add_request(request_id, prompt, max_new, top_k, keep_rows)
         results: dict[str, RequestOutput] = {}

@@ -2,8 +2,9 @@
 
 Each step: every running sequence that is decoding gets its one token first; then running sequences still in prefill
 get pieces in arrival order; then waiting sequences are admitted (a state slot, K/V blocks) while the budget, the slot
-pool and max_num_seqs allow. A piece may be any length from 1 up to what is left of the budget, so one step can hold
-several requests' prefill pieces next to many decodes. A one-token piece of a prompt is still a prefill.
+pool and max_num_seqs allow. A piece may be any length from 1 up to what is left of the budget (and at most
+long_prefill_token_threshold tokens, when set), so one step can hold several requests' prefill pieces, several of them
+continuing from a saved state, next to many decodes. A one-token piece of a prompt is still a prefill.
 
 When a sequence needs a K/V block and none is free, the most recently arrived running sequence (possibly the one
 asking) is preempted: its slot
@@ -75,9 +76,12 @@ class Piece:
 
 
 class Scheduler:
-    def __init__(self, states: StatePool, kv: KVCache, *, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, states: StatePool, kv: KVCache, *, max_num_batched_tokens: int, max_num_seqs: int,
+                 long_prefill_token_threshold: int | None = None) -> None:
+        """long_prefill_token_threshold: the most tokens one prefill piece may take in a step (None: the budget)."""
         self.states, self.kv = states, kv
         self.budget, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.piece_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -128,13 +132,13 @@ class Scheduler:
                 break
             if seq not in self.running or seq.is_decoding:
                 continue
-            n = min(left, seq.num_tokens - seq.num_computed)
+            n = min(left, seq.num_tokens - seq.num_computed, self.piece_cap)
             if n > 0 and self._grow_blocks(seq, n):
                 prefills.append(Piece(seq, seq.num_computed, n, False))
                 left -= n
         while self.waiting and left > 0 and self.states.num_free and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(left, seq.num_tokens)
+            n = min(left, seq.num_tokens, self.piece_cap)
             if self.kv.blocks_for(n) > self.kv.num_free:
                 break                                               # wait for running sequences to free blocks
             self.waiting.popleft()
