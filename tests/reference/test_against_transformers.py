@@ -1,11 +1,13 @@
-"""The oracle against transformers' BambaForCausalLM on random configs both load from the same directory.
+"""The oracle against transformers' BambaForCausalLM on the config zoo (harness/zoo.py): every config field that
+changes the math, away from its default, on checkpoints both load from the same directory.
 
-transformers runs in fp32, the oracle in fp64. Measured on these configs (CPU, torch 2.13, transformers 5.17, the
-full log-softmax at every position of every prompt length below): max |Δ logprob| = 2.2e-5, from transformers' fp32
-arithmetic (its RoPE and scan run in fp32 even when asked for fp64). The bound, 1e-4, is 4.5x that and 100x below
+transformers runs in fp32, the oracle in fp64. Measured on the zoo (CPU, torch 2.13, transformers 5.17, the full
+log-softmax at every position of a 30-token prompt of every entry): max |Δ logprob| = 2.6e-5, from transformers' fp32
+arithmetic (its RoPE and scan run in fp32 even when asked for fp64). The bound, 1e-4, is 3.8x that and 100x below
 what the bugs these tests exist for do on these weights (a tiled group map, a RoPE position off by one, a dropped
-D term each move some logprob by 1e-2 or more). The random weights give peaked logits (median top-1 probability
-0.35-0.6 over a 97-token vocabulary), so a wrong model cannot hide in a flat distribution.
+D term, a config field read from the wrong place each move some logprob by 1e-2 or more). The zoo's weights give
+peaked logits (median top-1 probability 0.37-0.54 on 30-token prompts), so a wrong model cannot hide in a flat
+distribution.
 
 transformers' PyTorch path normalises the gated RMSNorm over the whole H·P width; Bamba (mamba_ssm's fused kernel,
 vLLM, and the oracle by default) normalises each of the G groups separately. With G > 1 the two disagree, so the
@@ -15,6 +17,7 @@ oracle is run with gated_norm="full" to compare everything else, and a separate 
 import pytest
 import torch
 
+from harness import zoo
 from reference.model import BambaReference
 from tests.helpers import random_bamba_checkpoint
 
@@ -22,30 +25,35 @@ transformers = pytest.importorskip("transformers")
 
 LOGPROB_BOUND = 1e-4
 NEAR_TIE = 1e-3          # greedy tokens may differ only where the oracle's top-2 margin is below this
-W, Q = 4, 8              # conv width and chunk size of tests.helpers.TINY_CONFIG
-PROMPT_LENGTHS = {"T1": 1, "T_W-1": W - 1, "T_Q-1": Q - 1, "T_Q": Q, "T_Q+1": Q + 1, "T_3Q+5": 3 * Q + 5}
+LENGTH_NAMES = ("T1", "T_W-1", "T_Q-1", "T_Q", "T_Q+1", "T_3Q+5")
 
-CONFIGS = {
-    "groups1": dict(mamba_n_groups=1),
-    "groups2": dict(mamba_n_groups=2),
-    "groupsH": dict(mamba_n_groups=4),
-    "rotary1.0": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
-    "attn-first": dict(attn_layer_indices=[0]),
-    "attn-last": dict(attn_layer_indices=[2]),
-    "pure-mamba2": dict(attn_layer_indices=[]),
-    "tied": dict(tie_word_embeddings=True),
-    "conv-bias-off": dict(mamba_conv_bias=False),
-    "proj-bias-on": dict(mamba_proj_bias=True),
+# Pinned finding: transformers 5.17's BambaConfig overwrites partial_rotary_factor with 0.5 "for backward
+# compatibility" unless the file has it inside rope_parameters, so a checkpoint that states it at the top level (the
+# layout rope_theta is also accepted in) is served with half the head rotated. The oracle reads it where it is.
+# A one-token prompt cannot show it (position 0 is not rotated), so the mark goes on the cases with positions > 0.
+TRANSFORMERS_DEVIATIONS = {
+    "rope-top-level-rotary0.25": pytest.mark.xfail(
+        strict=True, reason="transformers 5.17 BambaConfig ignores a top-level partial_rotary_factor (hard-coded "
+                            "0.5); measured max |Δ logprob| 4.9 on this entry"),
 }
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+def prompt_lengths(cfg) -> dict[str, int]:
+    """1, W-1, Q-1, Q, Q+1 and 3Q+5 of the entry's conv width W and chunk size Q, by LENGTH_NAMES."""
+    W, Q = cfg.mamba_d_conv, cfg.mamba_chunk_size
+    return dict(zip(LENGTH_NAMES, (1, W - 1, Q - 1, Q, Q + 1, 3 * Q + 5)))
+
+
+# The zoo entries this cross-check runs (tests/harness/test_zoo_coverage.py reads it, less TRANSFORMERS_DEVIATIONS).
+TRANSFORMERS_ZOO = list(zoo.ZOO)
+
+
+@pytest.fixture(scope="module", params=TRANSFORMERS_ZOO)
 def checkpoint(request, tmp_path_factory):
-    return request.param, random_bamba_checkpoint(tmp_path_factory.mktemp(request.param), seed=11,
-                                                  **CONFIGS[request.param])
+    return request.param, zoo.write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _pair(path, device):
@@ -60,6 +68,11 @@ def _prompt(length, vocab, seed):
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
 
 
+def _zoo_prompt(name, length, seed):
+    """The entry's own prompts (with its pad token inside where it has one)."""
+    return torch.tensor(zoo.prompt_source(name, seed=seed).tokens(length, 0))
+
+
 def _hf_logprobs(hf, ids):
     """Every next-token distribution of transformers over ids, recomputed from scratch (no cache)."""
     with torch.no_grad():
@@ -68,11 +81,14 @@ def _hf_logprobs(hf, ids):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("length", PROMPT_LENGTHS.values(), ids=PROMPT_LENGTHS.keys())
-def test_prompt_logprobs_match_transformers(checkpoint, length, device):
+@pytest.mark.parametrize("length_name", LENGTH_NAMES)
+def test_prompt_logprobs_match_transformers(checkpoint, length_name, device, request):
     name, path = checkpoint
     ref, hf = _pair(path, device)
-    ids = _prompt(length, ref.cfg.vocab_size, seed=length)
+    length = prompt_lengths(ref.cfg)[length_name]
+    if name in TRANSFORMERS_DEVIATIONS and length > 1:
+        request.applymarker(TRANSFORMERS_DEVIATIONS[name])
+    ids = _zoo_prompt(name, length, seed=length)
     ours = torch.log_softmax(ref.forward(ids)[0], dim=-1)                 # (T, V) every next-token distribution
     theirs = _hf_logprobs(hf, ids)
     err = (ours.cpu() - theirs.cpu()).abs()
@@ -82,11 +98,13 @@ def test_prompt_logprobs_match_transformers(checkpoint, length, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_decode_matches_transformers(checkpoint, device):
+def test_greedy_decode_matches_transformers(checkpoint, device, request):
     """16 greedy steps of the oracle (carrying its state) against transformers recomputing the whole sequence."""
     name, path = checkpoint
+    if name in TRANSFORMERS_DEVIATIONS:
+        request.applymarker(TRANSFORMERS_DEVIATIONS[name])
     ref, hf = _pair(path, device)
-    prompt = _prompt(Q + 3, ref.cfg.vocab_size, seed=5)
+    prompt = _zoo_prompt(name, ref.cfg.mamba_chunk_size + 3, seed=5)
     tokens, steps = ref.greedy(prompt, 16)
     sequence = prompt.tolist()
     for step, ours in enumerate(tokens):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 class LoadError(RuntimeError):
@@ -18,7 +18,7 @@ class LoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineModelConfig:
-    """The sizes the engine needs, with the glossary's letters (DESIGN.md §2)."""
+    """The sizes the engine needs, with the glossary's letters (docs/design.md §2)."""
 
     vocab_size: int            # V
     hidden_size: int           # D
@@ -56,6 +56,10 @@ def read_config(path: Path) -> EngineModelConfig:
 
     hf = BambaConfig.from_pretrained(str(path))
     rope = hf.rope_parameters or {}
+    # transformers (5.17) replaces a top-level partial_rotary_factor by 0.5; the file's own value is what it means.
+    raw = json.loads((path / "config.json").read_text())
+    rotary_factor = float((raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                                 raw.get("partial_rotary_factor", 0.5)))
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     limit = tuple(float(v) for v in (hf.time_step_limit or (0.0, math.inf)))
     return EngineModelConfig(
@@ -63,7 +67,7 @@ def read_config(path: Path) -> EngineModelConfig:
         attn_layers=tuple(sorted(hf.attn_layer_indices or ())), n_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head,
         n_groups=hf.mamba_n_groups, d_state=hf.mamba_d_state, d_conv=hf.mamba_d_conv, chunk_size=hf.mamba_chunk_size,
         num_q_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads, attn_head_dim=head_dim,
-        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.5)), rope_theta=float(rope.get("rope_theta", 1e4)),
+        rotary_dim=int(head_dim * rotary_factor), rope_theta=float(rope.get("rope_theta", 1e4)),
         rms_norm_eps=hf.rms_norm_eps, time_step_limit=limit, tie_word_embeddings=bool(hf.tie_word_embeddings),
         max_position_embeddings=hf.max_position_embeddings,
     )
@@ -81,9 +85,12 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     for file in files:
         if not file.is_file():
             raise LoadError(f"{file}: listed in the index but missing")
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                tensors[key] = handle.get_tensor(key)
+        try:                                  # safetensors' errors do not name the file
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    tensors[key] = handle.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise LoadError(f"{file}: cannot read it as safetensors (truncated or corrupt?): {err}") from err
     return tensors
 
 

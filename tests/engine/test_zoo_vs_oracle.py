@@ -1,0 +1,70 @@
+"""The vendored engine against the fp64 oracle on every model of the config zoo (harness/zoo.py).
+
+`make test` runs each zoo model through one scenario that has it all: prompts split into pieces that continue from a
+saved state (two of them in one step), decodes in the same steps, a request arriving mid-run and greedy generation
+(ZOO_SMOKE). `make test-slow` runs each model through every batching, chunked-prefill, SSM-state-dtype and
+preemption scenario, and tensor parallelism over 2 ranks where the model divides (ZOO_MATRIX_KINDS, ZOO_MATRIX_TP).
+The coverage test (tests/harness/test_zoo_coverage.py) reads ZOO_SMOKE and the workloads from here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import zoo
+from harness.runner import Oracle, ScenarioSkipped, check_scenario
+from harness.scenarios import build_scenarios
+
+# The zoo entries this suite runs, and the scenario each runs in `make test` (its id for the model's chunk size Q).
+ENGINE_ZOO = list(zoo.ZOO)
+ZOO_SMOKE = "chunked_prefill-capped"
+ZOO_MATRIX_KINDS = ("batching", "chunked_prefill", "ssm_state_dtype", "preemption", "tp")
+ZOO_MATRIX_TP = (1, 2)          # tensor-parallel sizes of the matrix (4 and 8 run on the tiny model only)
+
+
+def smoke_scenario(cfg):
+    return next(s for s in build_scenarios(cfg) if s.id.startswith(ZOO_SMOKE))
+
+
+@pytest.fixture(scope="module", params=ENGINE_ZOO)
+def zoo_model(request, tmp_path_factory):
+    name = request.param
+    path = zoo.write_checkpoint(name, tmp_path_factory.mktemp(name))
+    oracle = Oracle(path)
+    yield name, oracle
+    oracle.close()
+
+
+def test_zoo_model_matches_oracle(zoo_model):
+    name, oracle = zoo_model
+    scenario = smoke_scenario(zoo.model_config(name))
+    report = check_scenario("vendored", scenario, oracle=oracle, source=zoo.prompt_source(name),
+                            dtype=torch.float32)
+    assert report.passed, report.message()
+    generated = sum(1 for c in report.comparisons for w in c.positions if w >= c.prompt_len)
+    assert generated > 0, "no generated position was compared"
+
+
+def _matrix():
+    cases = []
+    for name in ENGINE_ZOO:
+        for s in build_scenarios(zoo.model_config(name)):
+            if (s.kind in ZOO_MATRIX_KINDS and not s.slow and not s.needs_cuda and not s.id.startswith(ZOO_SMOKE)
+                    and s.options.tensor_parallel_size in ZOO_MATRIX_TP):
+                marks = [pytest.mark.slow] + [getattr(pytest.mark, m) for m in s.marks]
+                cases.append(pytest.param(name, s, id=f"{name}-{s.id}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("name,scenario", _matrix())
+def test_zoo_matrix_matches_oracle(name, scenario, tmp_path):
+    oracle = Oracle(zoo.write_checkpoint(name, tmp_path / name))
+    try:
+        report = check_scenario("vendored", scenario, oracle=oracle, source=zoo.prompt_source(name),
+                                dtype=torch.float32)
+    except ScenarioSkipped as skip:          # tp sizes the model does not divide into
+        pytest.skip(str(skip))
+    finally:
+        oracle.close()
+    assert report.passed, report.message()
