@@ -2,6 +2,7 @@
 
     bamba-harness compare --engine transformers --checkpoint DIR --scenarios chunked_prefill,batching \\
         --dtype bfloat16 --device cuda --out out/
+    bamba-harness compare --engine vendored --against reference --against-dtype float32 --scenarios batching
     bamba-harness list [--checkpoint DIR]
     bamba-harness lm-eval --model_args engine=vendored,checkpoint=DIR --tasks bamba_tiny --include_path fixtures/tasks
 
@@ -9,37 +10,74 @@
 chosen unless --model says otherwise; everything after `lm-eval` goes to lm-eval as it is.
 
 `compare` prints a table (scenario, requests, max |Δ|, budget, mean KL, top-1 agreement, first divergence, verdict:
-PASS, FAIL, SKIP with the engine's reason, or ERROR where the engine raised), writes report.json and
-delta_by_position.png to --out, and exits 1 if any scenario fails or errs. Usage errors (unknown
-engine, scenario or dtype, missing checkpoint or unavailable engine) print one line and exit 2.
+PASS, FAIL, SKIP with the engine's reason, or ERROR where the engine raised) and a summary line ("21 PASS, 1 SKIP,
+0 FAIL, 0 ERROR in 9m12s"), and writes report.json (docs/report-format.md) and delta_by_position.png to --out;
+the previous run's files there are removed first, so nothing stale survives a run that stops early. With
+--against ENGINE the candidate is judged directly against that engine (in --against-dtype) instead of the oracle,
+within the oracle's budget of the candidate's dtype plus that of the baseline's (harness/runner.py, check_against).
+Everything the run needs is checked before any work starts, so a bad argument costs seconds, not a whole run.
+
+Exit status:
+  0    at least one scenario was checked and every checked scenario passed (skipped ones are listed)
+  1    a scenario failed, or an engine raised an error in one
+  2    usage error, found before any work: unknown engine, scenario or dtype; unavailable device (--device cuda
+       without CUDA); checkpoint missing or not loadable (config.json unreadable, no weights file, weights that
+       do not match the config); --out not a writable directory; empty --scenarios ("" or ",")
+  5    nothing was checked: every selected scenario was skipped (exit 0 with --allow-skips), or none was selected
+  130  interrupted by SIGINT (Ctrl-C); 143 by SIGTERM. One line on stderr; report.json, if the run had started,
+       says verdict "interrupted" and lists the scenarios not run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
+import signal
 import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO_ROOT / "fixtures" / "tiny-bamba"
 DEFAULT_PROMPTS = REPO_ROOT / "fixtures" / "prompts.jsonl"
+REPORT_NAME, PLOT_NAME = "report.json", "delta_by_position.png"
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_NOTHING_CHECKED = 0, 1, 2, 5
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}          # 128 + the signal's number, as shells report it
 
 
 class UsageError(Exception):
     """Bad command-line input: reported in one line, exit status 2."""
 
 
+class Interrupted(BaseException):
+    """SIGTERM, raised in the main thread so that the run unwinds as it does on Ctrl-C (KeyboardInterrupt): engines
+    close, a partial report says "interrupted". A BaseException, so that no `except Exception` of a scenario takes
+    it for that scenario's error."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bamba-harness", description=__doc__.splitlines()[0])
+    """The command line; built from the standard library alone, so that --help answers before torch is imported."""
+    epilog = __doc__[__doc__.index("Exit status:"):]
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="bamba-harness", description=__doc__.splitlines()[0], epilog=epilog,
+                                     formatter_class=raw)
     sub = parser.add_subparsers(dest="command", required=True)
-    compare = sub.add_parser("compare", help="run scenarios on an engine and judge it against the fp64 oracle")
+    compare = sub.add_parser("compare", help="run scenarios on an engine and judge it against the fp64 oracle",
+                             description="Run scenarios on an engine and judge it against the fp64 oracle (or, "
+                                         "with --against, another engine).", epilog=epilog, formatter_class=raw)
     compare.add_argument("--engine", required=True, help="engine name (see `bamba-harness list`)")
     compare.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory")
     compare.add_argument("--scenarios", default="all", help="comma-separated kinds and/or scenario ids")
     compare.add_argument("--dtype", default="float32", help="the candidate's dtype (float32, bfloat16, ...)")
-    compare.add_argument("--device", default="cpu", help="device of the candidate and the oracle")
+    compare.add_argument("--device", default="cpu", help="device of the candidate and the oracle (cpu, cuda[:N])")
     compare.add_argument("--out", default="out", help="directory for report.json and delta_by_position.png")
     compare.add_argument("--prompts", default=None,
                          help="prompts .jsonl (default: fixtures/prompts.jsonl where its ids fit the model's "
@@ -51,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
                          help="the oracle's gated RMSNorm: per group (Bamba) or full width (transformers)")
     compare.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                          help="an adapter-specific option, repeatable")
+    compare.add_argument("--allow-skips", action="store_true",
+                         help="exit 0 (not 5) when every selected scenario was skipped")
+    compare.add_argument("--against", default=None, metavar="ENGINE",
+                         help="judge --engine against this engine's results instead of the oracle's")
+    compare.add_argument("--against-dtype", default=None,
+                         help="the --against engine's dtype (default: that engine's default dtype)")
+    compare.add_argument("--against-arg", action="append", default=[], metavar="KEY=VALUE",
+                         help="an adapter-specific option of the --against engine, repeatable")
     sub.add_parser("lm-eval", add_help=False,
                    help="lm-eval's command line with the bamba-harness model (arguments go to lm-eval as they are)")
     listing = sub.add_parser("list", help="engines (with availability) and the scenarios of a checkpoint")
@@ -58,137 +104,279 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_inputs(args):
-    """Checkpoint, config, scenarios, prompt source and a note to print once the input is known to be good (or
-    UsageError in one line)."""
+def _read_config(checkpoint: Path):
     from reference.config import ConfigError, ModelConfig
 
-    from .scenarios import PromptSource, build_scenarios
-
-    checkpoint = Path(args.checkpoint)
     if not checkpoint.is_dir():
         raise UsageError(f"checkpoint directory {checkpoint} does not exist")
     try:
-        cfg = ModelConfig.from_json(checkpoint)
-    except ConfigError as err:
+        return ModelConfig.from_json(checkpoint)
+    except (ConfigError, OSError) as err:       # ConfigError names the file; OSError names it as err.filename
         raise UsageError(str(err)) from err
-    source, note = PromptSource(cfg.vocab_size, seed=getattr(args, "seed", 0)), ""
-    given = getattr(args, "prompts", None)
-    if given:
+
+
+def _check_weights(checkpoint: Path, cfg) -> None:
+    """The weights must be the ones the config describes (reference/checkpoint.py's rules: names, shapes,
+    floating point), checked on the safetensors headers without reading a tensor, so that a model that cannot be
+    loaded is a usage error before any work rather than an ERROR row per scenario."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    from reference.checkpoint import CheckpointError, _safetensors_files, check_weights
+
+    try:
+        files = _safetensors_files(checkpoint)
+    except CheckpointError as err:
+        raise UsageError(f"checkpoint {err}") from err
+    where = files[0] if len(files) == 1 else checkpoint / "model.safetensors.index.json"
+    headers = {}
+    for file in files:
         try:
-            source = PromptSource.from_jsonl(given, cfg.vocab_size)
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    shape = piece.get_shape()
+                    dtype = piece[:0].dtype if shape else handle.get_tensor(key).dtype
+                    headers[key] = torch.empty(shape, dtype=dtype, device="meta")
+        except (SafetensorError, OSError) as err:
+            raise UsageError(f"checkpoint {file}: not a readable safetensors file ({err})") from err
+    head, embed = headers.get("lm_head.weight"), headers.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and embed is not None and head.shape == embed.shape:
+        del headers["lm_head.weight"]        # a stored tied head: its values are compared when the oracle loads
+    try:
+        check_weights(cfg, headers)
+    except CheckpointError as err:
+        raise UsageError(f"checkpoint {where}: {err}") from err
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UsageError(f"--device {name!r}: {err}") from err
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise UsageError(f"--device {name}: " + (f"this machine has {count} CUDA devices" if count
+                                                     else "no CUDA device on this machine"))
+    elif device.type != "cpu":
+        raise UsageError(f"--device {name}: expected cpu, cuda or cuda:N")
+
+
+def _check_out(out: Path) -> None:
+    """--out must be a directory this process can write (created if missing), known before the run, not from a
+    traceback after it."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory (expected a directory for {REPORT_NAME} "
+                         f"and {PLOT_NAME})")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise UsageError(f"--out {out}: not a writable directory ({err.strerror or err})") from err
+
+
+def _prompt_source(args, cfg):
+    """The prompt source and a note to print once the input is known to be good (or UsageError in one line)."""
+    from .scenarios import PromptSource
+
+    source, note = PromptSource(cfg.vocab_size, seed=args.seed), ""
+    if args.prompts:
+        try:
+            source = PromptSource.from_jsonl(args.prompts, cfg.vocab_size)
         except (OSError, ValueError, KeyError) as err:
-            raise UsageError(f"--prompts {given}: {err}") from err
+            raise UsageError(f"--prompts {args.prompts}: {err}") from err
     elif DEFAULT_PROMPTS.is_file():
         try:
             source = PromptSource.from_jsonl(DEFAULT_PROMPTS, cfg.vocab_size)
         except ValueError as err:      # the bundled prompts belong to the bundled model's tokenizer
             note = f"{err}; using random prompts"
-    return checkpoint, cfg, build_scenarios(cfg), source, note
+    return source, note
 
 
-def _engine_args(pairs: list[str]) -> dict[str, str]:
+def _engine_args(option: str, pairs: list[str]) -> dict[str, str]:
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise UsageError(f"--engine-arg {pair!r}: expected KEY=VALUE")
+            raise UsageError(f"{option} {pair!r}: expected KEY=VALUE")
         out[key] = value
     return out
 
 
-def _format_row(cells, widths) -> str:
-    return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+@dataclass
+class _Plan:
+    """What `compare` will do, every part of it checked by `_validate` before any work starts."""
+
+    engine_cls: type
+    dtype: object                      # torch.dtype (torch is not imported at module level: --help stays fast)
+    engine_args: dict[str, str]
+    base_cls: type | None              # the --against engine, None for the oracle
+    base_dtype: object
+    against_args: dict[str, str]
+    k: float
+    checkpoint: Path
+    scenarios: list
+    source: object                     # PromptSource
+    note: str                          # printed once everything is known to be good
 
 
-def _compare(args) -> int:
-    import torch
-    from tqdm import tqdm
-
+def _validate(args) -> _Plan:
+    """Every check that can fail before any work, in the order of the command line's importance; UsageError."""
     from .adapters import EngineUnavailable, UnknownEngine, get_engine
-    from .compare import ATOL, DEFAULT_K
-    from .engine import dtype_name, parse_dtype
-    from .plot import plot_deltas
-    from .runner import Oracle, ScenarioSkipped, check_scenario
-    from .scenarios import select_scenarios
+    from .compare import DEFAULT_K
+    from .engine import parse_dtype
+    from .scenarios import build_scenarios, select_scenarios
 
     try:
         engine_cls = get_engine(args.engine)
         dtype = parse_dtype(args.dtype)
-        torch.device(args.device)
-    except (UnknownEngine, EngineUnavailable, ValueError, RuntimeError) as err:
+        base_cls = get_engine(args.against) if args.against else None
+        base_dtype = parse_dtype(args.against_dtype) if args.against_dtype else None
+    except (UnknownEngine, EngineUnavailable, ValueError) as err:
         raise UsageError(str(err)) from err
-    checkpoint, cfg, scenarios, source, note = _load_inputs(args)
+    if args.against_dtype and not args.against:
+        raise UsageError(f"--against-dtype {args.against_dtype}: expected --against ENGINE with it")
+    engine_args, against_args = _engine_args("--engine-arg", args.engine_arg), _engine_args("--against-arg",
+                                                                                             args.against_arg)
+    _check_device(args.device)
+    checkpoint = Path(args.checkpoint)
+    cfg = _read_config(checkpoint)
+    _check_weights(checkpoint, cfg)
+    if not [name for name in args.scenarios.split(",") if name.strip()]:
+        raise UsageError(f"--scenarios {args.scenarios!r}: expected comma-separated kinds and/or scenario ids, "
+                         "got none")
     try:
-        chosen = select_scenarios(scenarios, args.scenarios)
+        chosen = select_scenarios(build_scenarios(cfg), args.scenarios)
     except ValueError as err:
         raise UsageError(str(err)) from err
-    engine_args = _engine_args(args.engine_arg)
-    if note:
-        print(f"bamba-harness: {note}", file=sys.stderr)
+    source, note = _prompt_source(args, cfg)
+    _check_out(Path(args.out))
+    if base_cls is not None and base_dtype is None:
+        base_dtype = base_cls.default_dtype
     k = DEFAULT_K if args.k is None else args.k
-    atol = ATOL[dtype] if args.atol is None else args.atol
+    return _Plan(engine_cls, dtype, engine_args, base_cls, base_dtype, against_args, k, checkpoint, chosen, source,
+                 note)
 
-    oracle = Oracle(checkpoint, device=args.device, gated_norm=args.gated_norm)
-    reports, entries, table = [], [], []
-    for scenario in tqdm(chosen, desc=f"{args.engine} {dtype_name(dtype)}", unit="scenario", file=sys.stderr):
-        try:
-            report = check_scenario(engine_cls, scenario, oracle=oracle, source=source, dtype=dtype,
-                                    device=args.device, k=k, atol=atol, engine_args=engine_args)
-        except ScenarioSkipped as skip:
-            entries.append({"scenario": scenario.id, "skipped": skip.reasons})
-            table.append((scenario.id, len(scenario.shapes), "-", "-", "-", "-", "-", "SKIP"))
-            continue
-        except Exception as err:       # an engine that crashes fails its scenario; the others still run
-            entries.append({"scenario": scenario.id, "error": f"{type(err).__name__}: {err}"})
-            table.append((scenario.id, len(scenario.shapes), "-", "-", "-", "-", "-", "ERROR"))
-            continue
-        reports.append(report)
-        entries.append(report.to_dict())
-        first = report.first_divergence
-        table.append((scenario.id, len(report.comparisons), f"{report.max_delta:.3g}", f"{report.meta['budget']:.3g}",
-                      f"{report.mean_kl:.3g}", f"{report.top1_agreement:.1%}",
-                      f"{first[0]}@{first[1]}" if first else "-", "PASS" if report.passed else "FAIL"))
-    oracle.close()
 
-    header = ("scenario", "requests", "max |Δ|", "budget", "mean KL", "top-1", "first divergence", "verdict")
-    widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header) - 1)] + [0]
-    print(_format_row(header, widths))
-    for row in table:
-        print(_format_row(row, widths))
-    skipped = [e for e in entries if "skipped" in e]
-    if skipped:
-        print("\nskipped:")
-        for entry in skipped:
-            print(f"  {entry['scenario']}: {'; '.join(entry['skipped'])}")
-    for entry in entries:
-        if "error" in entry:
-            print(f"\n{entry['scenario']}: {entry['error']}")
+def _run_one(plan: _Plan, scenario, args, oracle) -> tuple[dict, object]:
+    """One scenario: its report entry and its Report (None where it was skipped or raised), with a progress bar of
+    its own for the stages and engine steps inside it."""
+    from tqdm import tqdm
+
+    from .runner import ScenarioSkipped, check_against, check_scenario
+
+    bar = tqdm(desc=scenario.id, unit="step", leave=False, file=sys.stderr, position=1)
+
+    def progress(stage: str, steps: int) -> None:
+        if steps:
+            bar.update(steps)
+        else:
+            bar.set_description_str(f"{scenario.id}: {stage}")
+
+    common = dict(oracle=oracle, source=plan.source, dtype=plan.dtype, device=args.device, k=plan.k,
+                  atol=args.atol, engine_args=plan.engine_args, progress=progress)
+    try:
+        with bar:
+            report = (check_scenario(plan.engine_cls, scenario, **common) if plan.base_cls is None else
+                      check_against(plan.engine_cls, scenario, against=plan.base_cls, against_dtype=plan.base_dtype,
+                                    against_args=plan.against_args, **common))
+    except ScenarioSkipped as skip:
+        return {"scenario": scenario.id, "verdict": "SKIP", "skipped": skip.reasons}, None
+    except Exception as err:       # an engine that crashes fails its scenario; the others still run
+        return {"scenario": scenario.id, "verdict": "ERROR", "error": f"{type(err).__name__}: {err}"}, None
+    return {"verdict": "PASS" if report.passed else "FAIL", **report.to_dict()}, report
+
+
+def _compare(args) -> int:
+    from tqdm import tqdm
+
+    from . import report as report_doc
+    from .compare import ATOL
+    from .engine import dtype_name
+    from .plot import plot_deltas
+    from .runner import Oracle
+
+    plan = _validate(args)
+    if plan.note:
+        print(f"bamba-harness: {plan.note}", file=sys.stderr)
+    out = Path(args.out)
+    for stale in (out / REPORT_NAME, out / PLOT_NAME):
+        stale.unlink(missing_ok=True)
+    if plan.base_cls is None:
+        baseline = {"kind": "oracle", "engine": "reference", "dtype": "float64",
+                    "engine_args": {"gated_norm": args.gated_norm}}
+    else:
+        baseline = {"kind": "engine", "engine": plan.base_cls.name, "dtype": dtype_name(plan.base_dtype),
+                    "engine_args": plan.against_args}
+    settings = {"engine": args.engine, "engine_args": plan.engine_args, "checkpoint": str(plan.checkpoint),
+                "dtype": dtype_name(plan.dtype), "device": args.device, "baseline": baseline, "k": plan.k,
+                "atol": ATOL[plan.dtype] if args.atol is None else args.atol, "oracle_gated_norm": args.gated_norm,
+                "prompts": "random" if not plan.source.prompts else "file", "allow_skips": args.allow_skips,
+                "selected": [s.id for s in plan.scenarios]}
+    started = time.time()
+    oracle = Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm)
+    reports, entries = [], []
+    try:
+        for scenario in tqdm(plan.scenarios, desc=f"{args.engine} {settings['dtype']}", unit="scenario",
+                             file=sys.stderr):
+            entry, report = _run_one(plan, scenario, args, oracle)
+            entries.append(entry)
+            reports += [report] if report is not None else []
+    except (KeyboardInterrupt, Interrupted):
+        report_doc.write_atomic(out / REPORT_NAME, report_doc.build(
+            settings, entries, repo=REPO_ROOT, started=started, finished=time.time(), interrupted=True,
+            not_run=[s.id for s in plan.scenarios[len(entries):]]))
+        raise
+    finally:
+        oracle.close()
+    finished = time.time()
+
+    if plan.base_cls is not None:
+        print(f"baseline: {baseline['engine']} {baseline['dtype']} (budget: the oracle's for {settings['dtype']} "
+              f"+ for {baseline['dtype']})")
+    print(report_doc.format_table(entries))
     for report in reports:
         if not report.passed:
             print(f"\n{report.message()}")
+            if report.meta.get("hint"):
+                print(f"hint: {report.meta['hint']}")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = {"engine": args.engine, "checkpoint": str(checkpoint), "dtype": dtype_name(dtype),
-               "device": args.device, "k": k, "atol": atol, "oracle_gated_norm": args.gated_norm,
-               "prompts": "random" if not source.prompts else "file", "scenarios": entries}
-    (out / "report.json").write_text(json.dumps(summary, indent=1, default=str))
-    written = [out / "report.json"]
-    if reports:
-        written.append(plot_deltas(reports, out / "delta_by_position.png"))
+    document = report_doc.build(settings, entries, repo=REPO_ROOT, started=started, finished=finished)
+    written = [report_doc.write_atomic(out / REPORT_NAME, document)]
+    written.append(plot_deltas(reports, out / PLOT_NAME, **report_doc.figure_labels(document)))
     print(f"\nwrote {', '.join(str(p) for p in written)}")
-    return 0 if all(r.passed for r in reports) and not any("error" in e for e in entries) else 1
+    print(report_doc.summary_line(document["counts"], finished - started))
+    return _exit_status(document, allow_skips=args.allow_skips)
+
+
+def _exit_status(document: dict, *, allow_skips: bool) -> int:
+    """The exit status of a finished run (the table in this module's docstring)."""
+    if document["verdict"] == "fail":
+        return EXIT_FAIL
+    if document["verdict"] == "nothing-checked":
+        if not document["counts"]["skipped"]:
+            print("bamba-harness: no scenario selected: nothing was checked", file=sys.stderr)
+            return EXIT_NOTHING_CHECKED
+        if not allow_skips:
+            print("bamba-harness: every selected scenario was skipped: nothing was checked (--allow-skips "
+                  "accepts that)", file=sys.stderr)
+            return EXIT_NOTHING_CHECKED
+    return EXIT_PASS
 
 
 def _list(args) -> int:
     from .adapters import available_engines
+    from .scenarios import build_scenarios
 
     for name, problem in available_engines().items():
         print(f"engine {name:14s} {'available' if problem is None else 'unavailable: ' + problem}")
-    _, cfg, scenarios, _, _ = _load_inputs(args)
+    cfg = _read_config(Path(args.checkpoint))
     print(f"\nscenarios for Q = {cfg.mamba_chunk_size}, W = {cfg.mamba_d_conv}, G = {cfg.mamba_n_groups}:")
-    for s in scenarios:
+    for s in build_scenarios(cfg):
         print(f"  {s.id:34s} {'(slow) ' if s.slow else ''}{s.about}")
     return 0
 
@@ -205,19 +393,41 @@ def prepare_environment() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def main(argv: list[str] | None = None) -> int:
-    prepare_environment()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["lm-eval"]:
-        from .lm_eval import run_lm_eval
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While the command runs, SIGTERM raises Interrupted in the main thread (only there can a handler be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-        return run_lm_eval(argv[1:])
-    args = _parser().parse_args(argv)
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
-        return _compare(args) if args.command == "compare" else _list(args)
-    except UsageError as err:
-        print(f"bamba-harness: error: {err}", file=sys.stderr)
-        return 2
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = None if argv[:1] == ["lm-eval"] else _parser().parse_args(argv)     # --help: before torch is imported
+    with _sigterm_interrupts():
+        try:
+            prepare_environment()
+            if args is None:
+                from .lm_eval import run_lm_eval
+
+                return run_lm_eval(argv[1:])
+            return _compare(args) if args.command == "compare" else _list(args)
+        except UsageError as err:
+            print(f"bamba-harness: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        except (KeyboardInterrupt, Interrupted) as stop:
+            signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
+            print("bamba-harness: interrupted" + ("" if signum == signal.SIGINT else " (SIGTERM)"), file=sys.stderr)
+            return EXIT_SIGNAL[signum]
 
 
 if __name__ == "__main__":

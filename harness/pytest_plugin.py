@@ -13,6 +13,11 @@ Then `pytest --engine transformers -k chunked_prefill` runs exactly the chunked-
 and takes a `case` argument: an (engine name, Scenario) pair whose test id is "<engine>-<scenario id>"; the case
 carries the scenario's markers (tp, cudagraph, gpu) and `slow` where the scenario is slow or the engine declares
 itself slow without a GPU (Engine.slow_on_cpu) and there is none.
+
+A session in which every selected harness case was skipped checked nothing: a green run that means "no engine was
+available" is how a broken setup passes CI. The terminal summary says so, and the session exits 5 (pytest's "no
+tests", the number `bamba-harness compare` uses for the same thing) unless --allow-skips is given. An xfailed case
+ran, so it counts as checked; tests without a `case` argument do not count either way.
 """
 
 from __future__ import annotations
@@ -28,10 +33,61 @@ from .adapters import available_engines, engine_names, get_engine
 from .scenarios import build_scenarios
 
 
+# A test report's attribute that marks it as a harness case's (it travels with the report to the xdist controller).
+CASE_ATTRIBUTE = "bamba_harness_case"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.getgroup("bamba-harness").addoption(
-        "--engine", action="append", default=[], metavar="NAME[,NAME]",
-        help="engine(s) whose harness cases run (repeatable); default: every available engine")
+    group = parser.getgroup("bamba-harness")
+    group.addoption("--engine", action="append", default=[], metavar="NAME[,NAME]",
+                    help="engine(s) whose harness cases run (repeatable); default: every available engine")
+    group.addoption("--allow-skips", action="store_true", default=False,
+                    help="exit 0, not 5, when every selected harness case was skipped")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):          # the xdist controller (or a plain session) sees every report
+        config.pluginmanager.register(SkipAudit(config), "bamba-harness-skip-audit")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item):
+    report = yield
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "case" in callspec.params:
+        setattr(report, CASE_ATTRIBUTE, True)
+    return report
+
+
+class SkipAudit:
+    """Whether every harness case of the session was skipped; if so, says it and turns exit 0 into 5."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.skipped: dict[str, bool] = {}         # nodeid -> a phase of the case was skipped (not an xfail)
+        self.exit_changed = False
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if getattr(report, CASE_ATTRIBUTE, False):
+            skipped = report.skipped and not hasattr(report, "wasxfail")
+            self.skipped[report.nodeid] = self.skipped.get(report.nodeid, False) or skipped
+
+    def nothing_checked(self) -> bool:
+        return bool(self.skipped) and all(self.skipped.values())
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if exitstatus == pytest.ExitCode.OK and self.nothing_checked() and not self.config.getoption("allow_skips"):
+            session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+            self.exit_changed = True
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.nothing_checked():
+            return
+        line = f"bamba-harness: nothing checked: all {len(self.skipped)} selected harness cases were skipped"
+        if self.exit_changed:
+            terminalreporter.write_line(f"{line} (exit status 5; --allow-skips accepts that)", red=True, bold=True)
+        else:
+            terminalreporter.write_line(line, yellow=True, bold=True)
 
 
 def selected_engines(config: pytest.Config) -> list[str]:

@@ -2,13 +2,19 @@
 
 `Oracle` holds the fp64 reference of one checkpoint (and the reference in lower dtypes, for the budget) and memoises
 results per request, so scenarios that share requests pay for the oracle once. `check_scenario` judges an engine
-against the oracle; `check_relative` judges one engine configuration against another of the same engine.
+against the oracle; `check_relative` judges one engine configuration against another of the same engine;
+`check_against` judges one engine directly against another (vLLM against the vendored engine, say).
+
+Progress: the checks take an optional `progress(stage, steps)` callback. It is called with steps = 0 when the
+scenario enters a stage ("oracle", "budget", the engine's name, ...), and with steps = 1 after every engine step of
+that stage where the engine counts its steps (an engine with a `step_callback` attribute: the vendored engine).
+Nothing it is given changes what is computed.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +31,9 @@ FULL_DISTRIBUTION_LIMIT = 1 << 24
 # The oracle prefills at most this many tokens per step: its attention materialises (Hq, T_piece, T) scores, and
 # pieces are exact by construction (tests/harness/test_chunked_reference.py checks chunked == whole).
 ORACLE_STEP_TOKENS = 4096
+
+
+Progress = Callable[[str, int], None]
 
 
 class ScenarioSkipped(Exception):
@@ -123,10 +132,19 @@ def _open(engine_cls: type[Engine], checkpoint: Path, *, dtype, device, options:
         raise ScenarioSkipped(err.reasons) from err
 
 
+def _enter(progress: Progress | None, stage: str, engine: Engine | None = None) -> None:
+    """Tell `progress` the scenario entered `stage`; an engine that counts its steps reports each one."""
+    if progress is None:
+        return
+    progress(stage, 0)
+    if engine is not None and hasattr(engine, "step_callback"):
+        engine.step_callback = lambda: progress(stage, 1)
+
+
 def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Oracle, source: PromptSource,
                    dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    k: float = DEFAULT_K, atol: float | None = None, engine_args: dict | None = None,
-                   top_k: int = 5) -> Report:
+                   top_k: int = 5, progress: Progress | None = None) -> Report:
     """Run `scenario` on `engine` and judge it against the fp64 oracle. Raises ScenarioSkipped with the reasons
     when the engine cannot honour the scenario here."""
     dtype = parse_dtype(dtype)
@@ -136,10 +154,16 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
         reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
         if reasons:
             raise ScenarioSkipped(reasons)
+        _enter(progress, "oracle")
         baseline = oracle.results(requests)
+        _enter(progress, "budget")
         budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
+        _enter(progress, engine_cls.name, candidate)
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                               candidate=candidate.run(requests), budget=budget, rerun=candidate.run)
+        hint = getattr(engine_cls, "oracle_hint", None)       # an engine known to compute another model here
+        if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
+            report.meta["hint"] = text
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device),
                        options={k_: str(v) for k_, v in options.non_default().items()})
     return report
@@ -162,4 +186,53 @@ def check_relative(engine: str | type[Engine], scenario: Scenario, *, baseline_o
                               candidate=engine_b.run(requests), budget=budget, rerun=engine_b.run,
                               baseline_name=f"{engine_cls.name} {baseline_options.non_default() or 'defaults'}")
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device), relative=True)
+    return report
+
+
+def check_against(engine: str | type[Engine], scenario: Scenario, *, against: str | type[Engine], oracle: Oracle,
+                  source: PromptSource, dtype: str | torch.dtype = torch.float32,
+                  against_dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+                  k: float = DEFAULT_K, atol: float | None = None, engine_args: dict | None = None,
+                  against_args: dict | None = None, top_k: int = 5, progress: Progress | None = None) -> Report:
+    """Judge `engine` in `dtype` directly against the engine `against` in `against_dtype` (default: that engine's
+    default dtype), both under the scenario's options, on the scenario's requests. Raises ScenarioSkipped where
+    either engine cannot honour the scenario (the baseline's reasons say so).
+
+    The budget is the oracle's budget for the candidate's dtype PLUS its budget for the baseline's dtype (same k;
+    atol, when given, is the floor of each side). Neither side is exact: each carries its own rounding error, up to
+    its own budget away from the fp64 truth, and the two errors may point in opposite directions, so
+    |candidate - baseline| <= |candidate - oracle| + |oracle - baseline| is all that two correct engines guarantee.
+    A float64 baseline adds (nearly) nothing; two bfloat16 engines get twice the bfloat16 budget."""
+    dtype = parse_dtype(dtype)
+    base_cls = get_engine(against) if isinstance(against, str) else against
+    against_dtype = base_cls.default_dtype if against_dtype is None else parse_dtype(against_dtype)
+    engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
+                                             source=source, engine_args=engine_args, top_k=top_k)
+    try:
+        _, base_options, _ = _prepare(base_cls, scenario, dtype=against_dtype, device=device, source=source,
+                                      engine_args=against_args, top_k=top_k)
+        base_engine = _open(base_cls, oracle.checkpoint, dtype=against_dtype, device=device, options=base_options)
+    except ScenarioSkipped as skip:
+        raise ScenarioSkipped([f"baseline {base_cls.name}: {r}" for r in skip.reasons]) from skip
+    baseline_name = f"{base_cls.name} {dtype_name(against_dtype)}"
+    with base_engine:
+        reasons = base_engine.cannot_run(requests)
+        if reasons:
+            raise ScenarioSkipped([f"baseline {base_cls.name}: {r}" for r in reasons])
+        _enter(progress, f"baseline {baseline_name}", base_engine)
+        baseline = base_engine.run(requests)
+    _enter(progress, "budget")
+    own, theirs = (oracle.budget(requests, d, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
+                   for d in (dtype, against_dtype))
+    budget = Budget(k, own.atol + theirs.atol, own.reference_error + theirs.reference_error)
+    with _open(engine_cls, oracle.checkpoint, dtype=dtype, device=device, options=options) as candidate:
+        reasons = candidate.cannot_run(requests)
+        if reasons:
+            raise ScenarioSkipped(reasons)
+        _enter(progress, engine_cls.name, candidate)
+        report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
+                              candidate=candidate.run(requests), budget=budget, rerun=candidate.run,
+                              baseline_name=baseline_name)
+    report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device), baseline=baseline_name,
+                       options={k_: str(v) for k_, v in options.non_default().items()})
     return report

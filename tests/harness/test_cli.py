@@ -70,5 +70,7 @@ def test_an_engine_that_raises_is_an_error_row_and_exit_1(g1_checkpoint, tmp_pat
                  "--scenarios", "batching-together,batching-alone", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 1
-    assert printed.count("ERROR") == 2 and "batching-alone: RuntimeError: kernel launch failed" in printed
+    assert [line.split()[0] for line in printed.splitlines() if line.endswith("  ERROR")] == [
+        "batching-alone", "batching-together"]
+    assert "batching-alone: RuntimeError: kernel launch failed" in printed and "2 ERROR in" in printed
     assert json.loads((tmp_path / "report.json").read_text())["scenarios"][0]["error"].startswith("RuntimeError")
