@@ -5,9 +5,10 @@
 
 model_args: engine (default reference), checkpoint (default fixtures/tiny-bamba), dtype (the engine's default),
 tokenizer (default: the checkpoint directory), max_length (default max_position_embeddings), max_gen_toks (256),
-add_bos_token (false); the engine options max_num_batched_tokens, max_num_seqs, tensor_parallel_size,
-pipeline_parallel_size, cuda_graphs, ssm_state_dtype, allow_long_context; any other key is an adapter-specific engine
-argument (e.g. gated_norm=full for the reference), which the adapter refuses by name if it does not know it.
+add_bos_token (false); the engine options (every field of harness.engine.EngineOptions: max_num_batched_tokens,
+max_num_seqs, tensor_parallel_size, ...); and the engine's own engine_args (e.g. gated_norm=full for the reference).
+Any other key is refused in one line, with the nearest known name, before anything is loaded (check_model_args; the
+`bamba-harness lm-eval` command checks --model_args before lm-eval even starts indexing its tasks).
 lm-eval's --batch_size is the number of requests handed to the engine in one call (the engine batches inside the
 call with its own scheduler, max_num_seqs); --device is the engine's device.
 
@@ -22,28 +23,63 @@ decodes greedily for max_gen_toks tokens, cuts at the first end-of-text token an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from .adapters import get_engine
+from .adapters import engine_names, get_engine
 from .engine import EngineOptions, Request, RequestResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO_ROOT / "fixtures" / "tiny-bamba"
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_MAX_GEN_TOKS = 256
-ENGINE_OPTION_NAMES = ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
-                       "cuda_graphs", "ssm_state_dtype", "allow_long_context")
+# The model's own model_args (BambaHarnessLM's named parameters; lm-eval adds batch_size, max_batch_size, device).
+MODEL_ARG_NAMES = ("engine", "checkpoint", "dtype", "device", "tokenizer", "max_length", "max_gen_toks",
+                   "add_bos_token", "batch_size", "max_batch_size")
+# Every knob a scenario turns is a model_arg too, by its EngineOptions name.
+ENGINE_OPTION_NAMES = tuple(f.name for f in fields(EngineOptions) if f.name != "engine_args")
+_BOOL_OPTIONS = frozenset(f.name for f in fields(EngineOptions) if isinstance(f.default, bool))
+DEFAULT_ENGINE = "reference"
 # Generation settings this model understands; greedy decoding is the only kind an engine of the harness does.
 GEN_KWARG_NAMES = frozenset({"until", "max_gen_toks", "do_sample", "temperature"})
 
 
 class LmEvalInputError(ValueError):
     """A request or setting this model cannot serve faithfully (named, never silently adapted)."""
+
+
+def known_model_args(engine: str) -> list[str]:
+    """Every model_arg accepted with `engine`: the model's own, the engine options and the adapter's engine_args."""
+    return sorted({*MODEL_ARG_NAMES, *ENGINE_OPTION_NAMES, *get_engine(engine).engine_arg_names})
+
+
+def _nearest(name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def check_model_args(args: Mapping[str, Any]) -> None:
+    """LmEvalInputError, in one line, for an unknown engine or a model_arg that neither this model, the engine
+    options nor the chosen engine knows, naming the nearest known name. Called before anything is loaded: a
+    misspelt option used to surface only once the engine was built, from the adapter, listing only its own
+    engine_args (not the option meant, when that was an engine option)."""
+    engine = args.get("engine", DEFAULT_ENGINE)
+    if engine not in engine_names():
+        raise LmEvalInputError(f"model_args engine={engine}: no such engine{_nearest(str(engine), engine_names())}; "
+                               f"known: {', '.join(engine_names())}")
+    known = known_model_args(engine)
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        hints = "".join(f"{name}{_nearest(name, known)}, " for name in unknown).removesuffix(", ")
+        raise LmEvalInputError(f"model_args {hints}: unknown to bamba-harness with engine {engine}; known: "
+                               f"{', '.join(known)}")
 
 
 def _positive_int(name: str, value) -> int:
@@ -85,13 +121,13 @@ def cut_at_stops(text: str, stops: Sequence[str]) -> str:
 class BambaHarnessLM(TemplateLM):
     """One harness engine as an lm-eval model (see the module docstring for model_args and scoring)."""
 
-    def __init__(self, engine: str = "reference", checkpoint: str | Path = DEFAULT_CHECKPOINT, dtype: str | None = None,
-                 device: str | None = None, tokenizer: str | Path | None = None, max_length: int | None = None,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool = False,
+    def __init__(self, engine: str = DEFAULT_ENGINE, checkpoint: str | Path = DEFAULT_CHECKPOINT,
+                 dtype: str | None = None, device: str | None = None, tokenizer: str | Path | None = None,
+                 max_length: int | None = None, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool = False,
                  batch_size: int | str | None = DEFAULT_BATCH_SIZE, max_batch_size: int | None = None,
-                 max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, cuda_graphs: bool = False,
-                 ssm_state_dtype: str | None = None, allow_long_context: bool = False, **engine_args) -> None:
+                 **options) -> None:
+        """options: engine options (ENGINE_OPTION_NAMES) and the engine's engine_args, told apart by name."""
+        check_model_args({"engine": engine, **options})
         super().__init__()
         from transformers import AutoTokenizer
 
@@ -103,11 +139,9 @@ class BambaHarnessLM(TemplateLM):
         self.batch_size = _positive_int("batch_size", int(batch_size))
         if max_batch_size is not None:
             self.batch_size = min(self.batch_size, _positive_int("max_batch_size", max_batch_size))
-        options = EngineOptions(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                tensor_parallel_size=tensor_parallel_size,
-                                pipeline_parallel_size=pipeline_parallel_size, cuda_graphs=bool(cuda_graphs),
-                                ssm_state_dtype=ssm_state_dtype, allow_long_context=bool(allow_long_context),
-                                engine_args=dict(engine_args))
+        knobs = {name: bool(value) if name in _BOOL_OPTIONS else value
+                 for name, value in options.items() if name in ENGINE_OPTION_NAMES}
+        options = EngineOptions(**knobs, engine_args={k: v for k, v in options.items() if k not in knobs})
         self.engine_name = engine
         self.engine = get_engine(engine)(checkpoint, dtype=dtype, device=device or "cpu", options=options)
         cfg = self.engine.cfg
@@ -268,14 +302,39 @@ def lm_eval_argv(argv: Sequence[str]) -> list[str]:
     return ([argv[0], *extra, *argv[1:]] if argv[0] == "run" else ["run", *extra, *argv])
 
 
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in argv (`--flag V` or `--flag=V`; the last one wins, as with argparse), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
 def run_lm_eval(argv: Sequence[str]) -> int:
-    """`bamba-harness lm-eval ...`: lm-eval's own command line (lm_eval.__main__) with the model registered."""
+    """`bamba-harness lm-eval ...`: lm-eval's own command line (lm_eval.__main__) with the model registered.
+
+    With the bamba-harness model, --model_args are checked first (check_model_args): lm-eval indexes its tasks
+    before it builds the model, so a misspelt option would otherwise cost that wait and end in a traceback."""
     import sys
+
+    from lm_eval.utils import simple_parse_args_string
+
+    argv = lm_eval_argv(argv)
+    model_args = _flag_value(argv, "--model_args")
+    if _flag_value(argv, "--model") == "bamba-harness" and model_args is not None:
+        try:
+            check_model_args(simple_parse_args_string(model_args))
+        except (ValueError, RuntimeError) as err:       # LmEvalInputError, UnknownEngine, EngineUnavailable
+            print(f"bamba-harness lm-eval: error: {err}", file=sys.stderr)
+            return 2
 
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv
-    sys.argv = ["lm-eval", *lm_eval_argv(argv)]
+    sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
     except SystemExit as stop:        # argparse's usage errors and --help

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
 
@@ -81,11 +81,16 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                if key in tensors:
-                    raise CheckpointError(f"{key}: stored twice (again in {file.name})")
-                tensors[key] = handle.get_tensor(key)
+        # safetensors' own errors ("incomplete metadata, file not fully covered") do not say which file: with
+        # several shards, a truncated download would be left to guess.
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    if key in tensors:
+                        raise CheckpointError(f"{key}: stored twice (again in {file.name})")
+                    tensors[key] = handle.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: cannot read it as safetensors (truncated or corrupt?): {err}") from err
     return tensors
 
 

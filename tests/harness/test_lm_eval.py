@@ -3,7 +3,7 @@
 
 The agreement test runs a few items of each task through the oracle and through transformers on the tiny model and
 compares every item: transformers computes the full-width gated norm, so its oracle is the reference with
-gated_norm=full (README, Findings); both then compute the same model, fp64 against fp32.
+gated_norm=full (docs/findings.md); both then compute the same model, fp64 against fp32.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from harness.engine import UnsupportedOptions  # noqa: E402
 from harness.lm_eval import (  # noqa: E402
     BambaHarnessLM,
     LmEvalInputError,
@@ -127,7 +126,7 @@ def test_bamba_harness_lm_eval_is_lm_evals_command_line(capsys):
 
 # ---- the model --------------------------------------------------------------------------------------------------
 def test_unknown_engine_argument_is_refused_by_name():
-    with pytest.raises(UnsupportedOptions, match=r"engine_args \['nonsense'\]: unknown to reference"):
+    with pytest.raises(LmEvalInputError, match=r"model_args nonsense: unknown to bamba-harness with engine reference"):
         BambaHarnessLM(engine="reference", checkpoint=str(TINY), nonsense=1)
 
 

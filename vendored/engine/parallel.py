@@ -14,16 +14,28 @@ is seen through its process sentinel, and the tail of its log (faulthandler writ
 is quoted. A step that gets no answer within `timeout_s` (start-up: at least MIN_START_TIMEOUT_S) asks every live
 worker to dump its stacks (SIGUSR1) and quotes them. In every case the workers are shut down and the call raises
 EngineError: never a hang.
+
+Lifetime: nothing outlives the driver, however it ends. A worker is a child of the forkserver, not of the driver, and
+each one ties itself to the driver as it starts (_tie_to_driver): it gives back its copy of the forkserver's "alive"
+pipe, so that the forkserver stops exactly when the driver does, and asks the kernel (Linux) to SIGKILL it when the
+forkserver stops; the resource tracker stops when the last of them has. The run directory (rendezvous file, rank
+logs), named bamba-engine-<driver pid>-*, is removed on close, on an exception or Ctrl-C during start-up or a step,
+at interpreter exit, and on SIGTERM/SIGHUP where those would otherwise kill the driver outright; one left by a
+driver that was SIGKILLed is removed by the next parallel engine started on the machine (remove_stale_run_dirs).
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -48,6 +60,11 @@ from .weights import EngineModelConfig, read_tensors
 LOG_TAIL_CHARS = 4000
 # Start-up (spawning Python, importing torch, loading a shard) is given at least this long, whatever the step timeout.
 MIN_START_TIMEOUT_S = 300.0
+# Run directories are named RUN_DIR_PREFIX + <driver pid> + "-" + random: a stale one names the driver that left it.
+RUN_DIR_PREFIX = "bamba-engine-"
+# How long ready workers get to leave by themselves after "close" before they are killed.
+CLOSE_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1                          # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -187,8 +204,36 @@ class _Worker:
         return self.model.logits(h, batch).cpu().numpy()
 
 
+def _tie_to_driver() -> None:
+    """End this worker when the driver ends, however it ends (Ctrl-C, SIGTERM, SIGKILL, a crash), also while the
+    worker is blocked in the rendezvous or a collective and reads no pipe: before, a worker left waiting for a rank
+    the interrupted driver never started sat in init_process_group until its timeout (2 · timeout_s + 60 s), and kept
+    the forkserver and the resource tracker alive with it.
+
+    The worker's parent is the forkserver, which stops once every copy of its "alive" pipe is closed: the driver
+    holds one and each forked child inherits one, so the worker closes its own (it starts no processes) and the
+    forkserver then stops exactly when the driver does. PR_SET_PDEATHSIG has the kernel SIGKILL the worker when the
+    forkserver stops (Linux; elsewhere a worker notices the driver's end only at its next read of the step pipe).
+    The forkserver may already have stopped before the prctl call, which then never fires: that can only happen
+    after the driver's end, so the worker checks afterwards that the driver still holds its end of the pipe the
+    worker was started through (multiprocessing's parent sentinel), and leaves if not.
+    """
+    server = multiprocessing.forkserver._forkserver          # this process' view of the forkserver it came from
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    driver = multiprocessing.parent_process()
+    if driver is not None and not driver.is_alive():
+        os._exit(1)
+
+
 def _worker_main(spec: WorkerSpec, rank: int, conn) -> None:
     """The body of a worker process: build, say ready, then serve steps until told to close or the driver goes."""
+    _tie_to_driver()
     log = open(Path(spec.run_dir) / f"rank{rank}.log", "w")            # noqa: SIM115 - open for the process' life
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
@@ -220,23 +265,111 @@ def _worker_main(spec: WorkerSpec, rank: int, conn) -> None:
 
 # ---- driver side ---------------------------------------------------------------------------------------------
 
-def _shutdown(processes: list, conns: list, run_dir: str) -> None:
-    """Stop the workers (politely, then by force) and remove their run directory. Safe to call twice."""
-    for conn in conns:
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                   # someone else's process: running
+        pass
+    return True
+
+
+def remove_stale_run_dirs(parent: str | Path | None = None) -> list[Path]:
+    """Remove the run directories in `parent` (default: the temporary directory) whose driver no longer runs, and
+    return them. A driver that is SIGKILLed has no chance to remove its own; the next one cleans up after it. Only
+    directories of this user named RUN_DIR_PREFIX + <pid> + "-..." are touched, and only when no process has that
+    pid (a reused pid keeps a stale directory a while longer, never removes a live one)."""
+    removed = []
+    for path in Path(parent or tempfile.gettempdir()).glob(RUN_DIR_PREFIX + "*-*"):
+        pid = path.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
         try:
-            conn.send(("close", None))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 10.0
-    for proc in processes:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            proc.kill()
+            owned = path.is_dir() and path.stat().st_uid == os.getuid()
+        except OSError:                       # removed meanwhile by its own driver
+            continue
+        if owned and pid.isdigit() and not _pid_running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+class _Workers:
+    """The worker processes of one ParallelModel, their pipes and their run directory: what has to be cleaned up
+    however the driver's work ends. Apart from ParallelModel so that its finalizer holds no reference to the model;
+    registered in _live_workers so that a fatal signal can clean it up too (_end_on_signal)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.processes: list = []
+        self.conns: list = []
+        self.ready = False                    # every rank said ready: they read their pipes from then on
+        _live_workers.add(self)
+
+    def shutdown(self) -> None:
+        """Stop the workers and remove the run directory. Safe to call twice. Ready workers are asked to close and
+        given CLOSE_GRACE_S; workers still starting read no pipe (they may be waiting in the rendezvous for a rank
+        that will never come), so they are killed at once."""
+        if self.ready:
+            for conn in self.conns:
+                try:
+                    conn.send(("close", None))
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + CLOSE_GRACE_S
+            for proc in self.processes:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+        for proc in self.processes:
             proc.join(timeout=5.0)
-    for conn in conns:
-        conn.close()
-    shutil.rmtree(run_dir, ignore_errors=True)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        _live_workers.discard(self)
+        if not _live_workers:
+            _restore_signal_defaults()
+
+    def kill(self) -> None:
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
+
+
+# The workers of every ParallelModel not yet shut down, and the signals whose default action (ending the driver at
+# once, without unwinding) would leave their run directories behind.
+_live_workers: set[_Workers] = set()
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _end_on_signal(signum: int, frame) -> None:
+    """A SIGTERM/SIGHUP handler that does what the default action would (end the driver, by that very signal, so
+    its exit status says so) after killing every worker and removing every run directory. Python runs it between two
+    bytecodes of the main thread, so the cleanup is ordinary code, not a C-level signal context."""
+    for workers in list(_live_workers):
+        workers.kill()
+        shutil.rmtree(workers.run_dir, ignore_errors=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_signal_cleanup() -> None:
+    """Install _end_on_signal for each of _CLEANUP_SIGNALS left at its default action. A signal the program handles
+    (or ignores) itself is left alone: its handler decides whether the driver ends, and if it does by raising, the
+    finalizers clean up as for any exception. Only the main thread may set handlers; elsewhere, nothing is set."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _CLEANUP_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _end_on_signal)
+
+
+def _restore_signal_defaults() -> None:
+    """Undo _install_signal_cleanup once no workers are left: a Python-level handler runs only between bytecodes,
+    so it would delay a SIGTERM until a long C call returns, which the default action does not."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _CLEANUP_SIGNALS:
+        if signal.getsignal(sig) is _end_on_signal:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 class ParallelModel:
@@ -250,22 +383,31 @@ class ParallelModel:
         self.world = spec.tp * spec.pp
         self.logits_rank = (spec.pp - 1) * spec.tp
         self._failed: str | None = None
-        # Workers fork from a server process that has imported torch and the engine once: a second engine in the
-        # same driver starts in a fraction of a second instead of re-importing torch in every rank. The server never
-        # touches CUDA, so its children may.
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["vendored.engine.parallel"])
-        self.processes, self.conns = [], []
-        for rank in range(self.world):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(spec, rank, theirs), name=f"bamba-engine-rank{rank}",
-                               daemon=True)
-            proc.start()
-            theirs.close()
-            self.processes.append(proc)
-            self.conns.append(ours)
-        self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.conns, spec.run_dir)
-        self._wait(set(range(self.world)), "ready", "start-up", max(spec.timeout_s, MIN_START_TIMEOUT_S))
+        # The finalizer comes first: whatever interrupts the start-up (Ctrl-C while the forkserver imports torch,
+        # a rank that fails) finds the workers started so far and the run directory in it.
+        workers = _Workers(spec.run_dir)
+        self.processes, self.conns = workers.processes, workers.conns
+        self._finalizer = weakref.finalize(self, workers.shutdown)
+        _install_signal_cleanup()
+        try:
+            # Workers fork from a server process that has imported torch and the engine once: a second engine in
+            # the same driver starts in a fraction of a second instead of re-importing torch in every rank. The
+            # server never touches CUDA, so its children may.
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["vendored.engine.parallel"])
+            for rank in range(self.world):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(spec, rank, theirs), name=f"bamba-engine-rank{rank}",
+                                   daemon=True)
+                proc.start()
+                theirs.close()
+                self.processes.append(proc)
+                self.conns.append(ours)
+            self._wait(set(range(self.world)), "ready", "start-up", max(spec.timeout_s, MIN_START_TIMEOUT_S))
+        except BaseException:
+            self._finalizer()
+            raise
+        workers.ready = True
 
     def forward(self, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
         if self._failed:
@@ -276,7 +418,14 @@ class ParallelModel:
                 conn.send(payload)
             except OSError:
                 self._fail(f"rank {rank}: cannot send it the step ({self._exit_reason(rank)})", rank)
-        logits = self._wait({self.logits_rank}, "logits", "a step", self.spec.timeout_s)[self.logits_rank]
+        try:
+            logits = self._wait({self.logits_rank}, "logits", "a step", self.spec.timeout_s)[self.logits_rank]
+        except KeyboardInterrupt:
+            # The workers are somewhere inside the step: a later step would read this one's logits. They are
+            # shut down, and the engine says why if it is used again.
+            self._failed = "interrupted (KeyboardInterrupt) during a step"
+            self._finalizer()
+            raise
         return torch.from_numpy(logits)
 
     def close(self) -> None:
@@ -367,8 +516,9 @@ def start_parallel_model(checkpoint, cfg: EngineModelConfig, tensors: dict[str, 
         problems.append(f"parallel_timeout_s: expected a positive number of seconds, got {timeout_s!r}")
     if problems:
         raise EngineError(f"cannot split the model over tp = {tp} × pp = {pp} ranks: " + "; ".join(problems))
+    remove_stale_run_dirs()
     spec = WorkerSpec(checkpoint=str(checkpoint), cfg=cfg, intermediate_size=intermediate_size, tp=tp, pp=pp,
                       dtype=dtype, state_dtype=state_dtype, device_type=device.type, first_device=device.index or 0,
                       max_positions=max_positions, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
-                      timeout_s=float(timeout_s), run_dir=tempfile.mkdtemp(prefix="bamba-engine-"))
+                      timeout_s=float(timeout_s), run_dir=tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-"))
     return ParallelModel(spec)
