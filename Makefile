@@ -20,6 +20,7 @@ help:
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
 	@echo "make bench-kernels  our kernels vs vLLM's and mamba_ssm's on a CUDA machine (table, JSON, PNG in out/bench-kernels)"
+	@echo "make fetch-peers  vLLM's, mamba_ssm's and fla-core's Triton ops (pinned, PyPI) into .peers for bench-kernels"
 	@echo "make bench-decode  decode tokens/s with and without CUDA graphs (GPU: python3 there; out/bench)"
 	@echo "make mutants   plant every CPU mutant (mutants/defs) in a scratch copy; its tests must catch it"
 	@echo "make mutants-gpu  the GPU-only mutants, on a CUDA machine with the python3 that is there"
@@ -50,11 +51,17 @@ test-all: $(STAMP)
 test-gpu:
 	$(GPU_PY) -m pytest -p no:cacheprovider -m "gpu and not slow" tests
 
-# GPU, python3 of the image: our ops against the peers in $(PEERS) (fetch: README, "Kernel benchmarks"); < 8 min.
+# GPU, python3 of the image: our ops against the peers in $(PEERS) (fetch: make fetch-peers); < 8 min.
 PEERS ?= .peers
 BENCH_OUT ?= out/bench-kernels
 bench-kernels:
 	$(GPU_PY) -m bench.kernels --peers $(PEERS) --out $(BENCH_OUT)
+
+# The peers, from pinned PyPI releases (sha256-checked) into the git-ignored $(PEERS), on a machine with pip access;
+# carry $(PEERS) to the GPU. Needs .venv's torch: pip runs mamba-ssm's setup.py to read its sdist (docs/kernels.md).
+.PHONY: fetch-peers
+fetch-peers: $(STAMP)
+	$(PY) -m bench.fetch_peers --dest $(PEERS)
 
 # The main job: the vendored engine against the fp64 oracle on the bundled tiny model (table, JSON and PNG in out/).
 COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype,tp,pp

@@ -33,7 +33,7 @@ from vendored.ops import causal_conv1d, causal_conv1d_update, rms_norm_gated, se
 
 @dataclass(frozen=True)
 class Shape:
-    """Mixer sizes (DESIGN.md §2 letters)."""
+    """Mixer sizes (docs/design.md §2 letters)."""
     H: int
     P: int
     N: int
@@ -72,7 +72,7 @@ class Case:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# What is counted (README, "Kernel benchmarks", repeats this)
+# What is counted (docs/kernels.md, "How it measures", repeats this)
 # ---------------------------------------------------------------------------------------------------------------
 
 def scan_counts(s: Shape, n_tokens: int, n_seqs: int, esz: int, state_esz: int) -> Counts:

@@ -8,8 +8,8 @@ mamba_ssm 2.3.2.post1, on identical inputs in one process on one GPU, at Bamba-9
 Cases: ssd_scan at 2K, 8K, 32K, 128K tokens as 1 and 8 sequences; causal_conv1d prefill; decode
 (causal_conv1d_update and selective_state_update) at batch 1, 8, 64, 256 with an fp32 and a bf16 state pool;
 rms_norm_gated; and a device-to-device copy of the batch-256 state pool, the bandwidth selective_state_update is
-measured against. Peers come from a `--peers DIR` folder laid out as ../shared/peers/README.md says (peer_loader.py
-beside vendor/); without it, only our ops run.
+measured against. Peers come from a `--peers DIR` folder filled by bench/fetch_peers.py (`make fetch-peers`:
+peer_loader.py beside vendor/; docs/kernels.md); without it, only our ops run.
 
 Timing: prefill-sized calls with triton.testing.do_bench (median; L2 flushed before every call; first call, with
 its compile and autotune, excluded); decode calls with a CUDA graph of --graph-calls back-to-back calls, replayed
@@ -48,7 +48,7 @@ OP_ORDER = ("ssd_scan", "causal_conv1d", "selective_state_update", "causal_conv1
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="out/bench-kernels", help="folder for kernels.json, kernels.md, kernels.png")
-    p.add_argument("--peers", default=None, help="folder holding peer_loader.py and vendor/ (../shared/peers)")
+    p.add_argument("--peers", default=None, help="folder holding peer_loader.py and vendor/ (make fetch-peers)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1, fp32")
     p.add_argument("--budget", type=float, default=420.0, help="seconds after which no new case starts")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warmup")
@@ -66,7 +66,7 @@ def load_peers(folder: str | None, log) -> dict:
         return {}
     folder = Path(folder).resolve()
     if not (folder / "peer_loader.py").is_file():
-        log(f"# no peer_loader.py in {folder}: our ops only (fetch the peers as README.md, Kernel benchmarks, says)")
+        log(f"# no peer_loader.py in {folder}: our ops only (fetch the peers with `make fetch-peers`)")
         return {}
     os.environ.setdefault("PEERS_VENDOR", str(folder / "vendor"))
     sys.path.insert(0, str(folder))
@@ -78,7 +78,7 @@ def load_peers(folder: str | None, log) -> dict:
         except Exception as e:  # the other peer and our ops still run
             log(f"# peer {name} failed to load: {type(e).__name__}: {e}")
     if "mamba_ssm" in peers and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-        # vLLM's filter for chunk-scan configs that Triton miscompiles on sm90 (NaN/Inf rows); see the peers README
+        # vLLM's filter for chunk-scan configs that Triton miscompiles on sm90 (NaN/Inf rows); see bench/peer_loader.py
         kernel = peers["mamba_ssm"].autotuned_kernels["_chunk_scan_fwd_kernel"]
         log(f"# mamba_ssm: dropped {peer_loader.drop_sm90_racy_configs(kernel)} sm90-racy chunk-scan configs")
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -34,7 +34,7 @@ from bench.kernels import load_peers
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python3 -m bench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="out/latency")
-    p.add_argument("--peers", default=None, help="folder holding peer_loader.py and vendor/ (../shared/peers)")
+    p.add_argument("--peers", default=None, help="folder holding peer_loader.py and vendor/ (make fetch-peers)")
     p.add_argument("--calls", type=int, default=20, help="calls per host-time measurement")
     p.add_argument("--only", default="", help="comma-separated ops (default: all)")
     return p.parse_args(argv)

@@ -74,7 +74,7 @@ def profile_kernels(run) -> list[tuple[str, float]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m bench.sweep_scan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--peers", default=None, help="folder holding peer_loader.py and vendor/ (../shared/peers)")
+    p.add_argument("--peers", default=None, help="folder holding peer_loader.py and vendor/ (make fetch-peers)")
     p.add_argument("--out", default="out/sweep-scan")
     p.add_argument("--rep-ms", type=float, default=30.0)
     a = p.parse_args(argv)

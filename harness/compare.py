@@ -1,7 +1,7 @@
 """How a candidate is judged against a baseline: the fp64 oracle, or the same engine in another configuration.
 
-Every position is compared (DESIGN.md §4): the teacher-forced prompt logprobs at positions 1..T-1 and the logprob of
-every generated token, not only top-k containment and not only up to the first divergence.
+Every position is compared (docs/design.md §4): the teacher-forced prompt logprobs at positions 1..T-1 and the
+logprob of every generated token, not only top-k containment and not only up to the first divergence.
 
 The budget. A candidate computing in dtype d may differ from the fp64 oracle by at most
     budget = k · E(d) + atol(d)          (k = 2 by default)

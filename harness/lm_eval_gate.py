@@ -10,7 +10,7 @@ The gate, per task and metric (fixtures/tasks/README.md says why):
 - perplexity (any metric named *perplexity): |candidate / oracle - 1| <= 0.5%;
 - anything else (bits_per_byte, ...) is reported without a verdict.
 A candidate of engine transformers on a checkpoint with mamba_n_groups > 1 is judged against the oracle run with
-gated_norm=full, the model transformers computes (README, Findings); every other candidate against the oracle.
+gated_norm=full, the model transformers computes (docs/findings.md); every other candidate against the oracle.
 """
 
 from __future__ import annotations

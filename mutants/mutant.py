@@ -4,7 +4,7 @@ edits against the tree, each an exact anchor text that must occur exactly once i
 Anchors, not line numbers, so a mutant survives unrelated edits to the file, and an edit that no longer applies
 fails loudly instead of planting something else. File format (TOML; ''' strings keep the code verbatim):
 
-    class = "conv state read from the previous tenant"      # a DESIGN.md §8 class, or "classic: ..."
+    class = "conv state read from the previous tenant"      # a class of docs/bug-classes.md, or "classic: ..."
     bug = "one line: what the public engine got wrong"
     selection = ["tests/kernels/test_causal_conv1d.py::test_one_sequence"]   # run in this order with -x
     gpu = false                                              # true: needs CUDA (make mutants-gpu)

@@ -32,7 +32,7 @@ _ATTENTION_TYPES = {"attention", "full_attention"}
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Bamba hyper-parameters with the glossary's letters (DESIGN.md §2) beside them."""
+    """Bamba hyper-parameters with the glossary's letters (docs/design.md §2) beside them."""
 
     vocab_size: int = 128000                      # V
     hidden_size: int = 4096                       # D

@@ -4,7 +4,7 @@ Each `<op>_ref` has the signature and return values of the kernel `<op>` in vend
 on the same arguments. They are written for reading, not speed: the SSD scan is the plain sequential recurrence
 (one step per token), not the chunked algorithm; `chunk_size` is accepted only so the signatures match.
 
-Layout conventions (shape letters from DESIGN.md §2):
+Layout conventions (shape letters from docs/design.md §2):
 - Prefill ops take packed variable-length input: the tokens of all sequences one after another, T in total, with
   `cu_seqlens` (B+1,) the cumulative sequence lengths (sequence b is tokens cu_seqlens[b]:cu_seqlens[b+1]).
 - States live in pools of slots: `conv_states` (S, C, W-1) and `ssm_states` (S, H, P, N). Sequence b reads and

@@ -1,6 +1,6 @@
 """Shared machinery of the kernel tests: devices, the three-way tolerance, NaN poisoning and untouched-slot checks.
 
-The three-way bound (DESIGN.md §6): a kernel run in dtype d may differ from the fp64 twin by at most k times what
+The three-way bound (docs/design.md §6): a kernel run in dtype d may differ from the fp64 twin by at most k times what
 the twin itself differs by when run in d, plus atol:  |kernel - ref64| <= k·|ref_d - ref64| + atol, element-wise.
 """
 

@@ -151,7 +151,7 @@ def test_pieces_match_whole_prefill_oracle(n_steps):
 
 @STEPS
 def test_pieces_match_whole_prefill_kernel(n_steps):
-    # A relative check inside one engine, with the same budget (DESIGN.md §4): |pieces - whole| must stay within
+    # A relative check inside one engine, with the same budget (docs/design.md §4): |pieces - whole| must stay within
     # k·|ref_low - ref64| + atol. Passing pieces - whole + ref64 as the candidate states exactly that.
     r = runs(n_steps)
     pieces, whole = _compared(r["pieces"]), _compared(r["whole"])

