@@ -92,8 +92,8 @@ def granite_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[
     """Bamba's tensors under GraniteMoeHybrid's names (MLP gate and up stacked, gate first: (2I, D))."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if ".feed_forward." in name:
-            continue
+        if ".feed_forward." in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue                     # a tied head is the embedding: stored once, as a tied checkpoint does
         new = name.replace(".pre_ff_layernorm.", ".post_attention_layernorm.")
         new = new.replace("model.final_layernorm.", "model.norm.")
         out[new] = tensor.contiguous()

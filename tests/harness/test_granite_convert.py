@@ -47,13 +47,15 @@ def tiny_copy(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("groups, gated_norm", [(1, "grouped"), (2, "full")], ids=["G1", "G2-full_norm_oracle"])
-def test_converted_model_matches_the_oracle(tmp_path, groups, gated_norm):
+@pytest.mark.parametrize("groups, gated_norm, tied", [(1, "grouped", False), (2, "full", False), (1, "grouped", True)],
+                         ids=["G1", "G2-full_norm_oracle", "G1-tied"])
+def test_converted_model_matches_the_oracle(tmp_path, groups, gated_norm, tied):
     """Random checkpoints with partial_rotary_factor 1: transformers' Granite rotates every head dim whatever the
     config says (its RoPE ignores partial_rotary_factor), so only a full-rotary Bamba is a fair test of the rest.
     Partial RoPE through the converted config is judged with vLLM (make test-vllm), whose get_rope honours it."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
-    checkpoint = random_bamba_checkpoint(tmp_path / "bamba", seed=3, mamba_n_groups=groups, rope_parameters=rope)
+    checkpoint = random_bamba_checkpoint(tmp_path / "bamba", seed=3, mamba_n_groups=groups, rope_parameters=rope,
+                                         tie_word_embeddings=tied)
     cfg = ModelConfig.from_json(checkpoint)
     assert cfg.partial_rotary_factor == 1.0 and cfg.mamba_n_groups == groups
     oracle = Oracle(checkpoint, gated_norm=gated_norm)
