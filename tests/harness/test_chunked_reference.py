@@ -15,7 +15,7 @@ from harness.adapters.reference import ReferenceEngine
 from harness.engine import EngineOptions
 from harness.runner import check_relative, check_scenario
 from harness.scenarios import Scenario, build_scenarios
-from harness.schedule import RequestShape, plan_steps
+from harness.schedule import RequestShape, plan_options, plan_steps
 from reference.model import SequenceState
 
 from .conftest import G1_MODEL
@@ -25,8 +25,7 @@ CHUNKED = [s for s in SCENARIOS.values() if s.kind == "chunked_prefill"]
 # The budgets that split some prompt into pieces (budget 1000 splits none: a boundary fault cannot show there).
 SPLITTING = [s for s in CHUNKED
              if any(not p.decode and p.start > 0
-                    for step in plan_steps(s.shapes, max_num_batched_tokens=s.options.max_num_batched_tokens,
-                                           max_num_seqs=s.options.max_num_seqs) for p in step.pieces)]
+                    for step in plan_steps(s.shapes, **plan_options(s.options)) for p in step.pieces)]
 
 
 @pytest.mark.parametrize("scenario", CHUNKED, ids=lambda s: s.id)
@@ -65,8 +64,7 @@ class DampsSsmStateAtPieceBoundaries(ReferenceEngine):
 
 def _first_split(scenario) -> dict[str, int]:
     """request id -> the first position at which a later prefill piece of it starts, under the scenario's plan."""
-    plan = plan_steps(scenario.shapes, max_num_batched_tokens=scenario.options.max_num_batched_tokens,
-                      max_num_seqs=scenario.options.max_num_seqs)
+    plan = plan_steps(scenario.shapes, **plan_options(scenario.options))
     firsts: dict[str, int] = {}
     for step in plan:
         for piece in step.pieces:

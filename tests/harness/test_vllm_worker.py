@@ -119,7 +119,8 @@ class _Cfg:
                                dtype=kw["dtype"], enforce_eager=kw["enforce_eager"])
         self.cache_config = ns(mamba_ssm_cache_dtype="float32")
         self.scheduler_config = ns(max_num_batched_tokens=kw.get("max_num_batched_tokens", 8192),
-                                   max_num_seqs=kw["max_num_seqs"], enable_chunked_prefill=True)
+                                   max_num_seqs=kw["max_num_seqs"], enable_chunked_prefill=True,
+                                   long_prefill_token_threshold=kw.get("long_prefill_token_threshold", 0))
         self.parallel_config = ns(tensor_parallel_size=1, pipeline_parallel_size=1)
         self.device_config = ns(device_type="cpu")
 
