@@ -27,20 +27,26 @@ def smoke_scenario(cfg):
     return next(s for s in build_scenarios(cfg) if s.id.startswith(ZOO_SMOKE))
 
 
+DEVICES = [("cpu", torch.float32),
+           pytest.param(("cuda", torch.bfloat16), marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
 @pytest.fixture(scope="module", params=ENGINE_ZOO)
 def zoo_model(request, tmp_path_factory):
-    name = request.param
-    path = zoo.write_checkpoint(name, tmp_path_factory.mktemp(name))
-    oracle = Oracle(path)
-    yield name, oracle
-    oracle.close()
+    return request.param, zoo.write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def test_zoo_model_matches_oracle(zoo_model):
-    name, oracle = zoo_model
-    scenario = smoke_scenario(zoo.model_config(name))
-    report = check_scenario("vendored", scenario, oracle=oracle, source=zoo.prompt_source(name),
-                            dtype=torch.float32)
+@pytest.mark.parametrize("device_dtype", DEVICES, ids=["cpu-fp32", "cuda-bf16"])
+def test_zoo_model_matches_oracle(zoo_model, device_dtype):
+    name, path = zoo_model
+    device, dtype = device_dtype
+    oracle = Oracle(path, device=device)
+    try:
+        report = check_scenario("vendored", smoke_scenario(zoo.model_config(name)), oracle=oracle,
+                                source=zoo.prompt_source(name), dtype=dtype, device=device)
+    finally:
+        oracle.close()
     assert report.passed, report.message()
     generated = sum(1 for c in report.comparisons for w in c.positions if w >= c.prompt_len)
     assert generated > 0, "no generated position was compared"
