@@ -26,6 +26,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 15.0
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tracks processes through /proc")
+# How long a driver may take to start its forkserver and workers: importing torch and the engine in two processes
+# took over 60 s on 2 cores busy with a parallel test run (a CI clean clone), so the signal tests are `slow` and wait.
+START_WAIT_S = 300
 
 # The driver: a TP=2 engine on the CPU, then a line on stdout once it is up, then nothing until a signal ends it.
 DRIVER = """
@@ -148,6 +151,7 @@ def _assert_all_gone(family: Family, driver: subprocess.Popen, tmp: Path) -> Non
 
 
 @pytest.mark.tp
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,moment", [("SIGINT", "forkserver-starting"),
                                         pytest.param("SIGINT", "workers-starting", marks=pytest.mark.slow),
                                         pytest.param("SIGTERM", "workers-starting", marks=pytest.mark.slow)])
@@ -158,10 +162,11 @@ def test_a_signal_to_the_driver_alone_leaves_no_process_and_no_directory(sig, mo
     driver, tmp = _start_driver(checkpoint, tmp_path)
     family = Family(driver.pid)
     try:
-        forkserver = _wait_for(family, lambda: family.matching("multiprocessing.forkserver"), 60,
+        forkserver = _wait_for(family, lambda: family.matching("multiprocessing.forkserver"), START_WAIT_S,
                                "no forkserver started")
         if moment == "workers-starting":
-            _wait_for(family, lambda: len(family.children_of(forkserver)) >= 2, 60, "no two workers started")
+            _wait_for(family, lambda: len(family.children_of(forkserver)) >= 2, START_WAIT_S,
+                      "no two workers started")
         assert driver.poll() is None, "the driver ended before it was interrupted"
         assert list(tmp.glob(RUN_DIR_PREFIX + "*")), "no rendezvous directory while the workers start"
         os.kill(driver.pid, signal.Signals[sig])
@@ -171,6 +176,7 @@ def test_a_signal_to_the_driver_alone_leaves_no_process_and_no_directory(sig, mo
 
 
 @pytest.mark.tp
+@pytest.mark.slow
 def test_sigkill_to_the_driver_takes_a_stopped_worker_with_it(checkpoint, tmp_path):
     """SIGKILL leaves the driver no time for anything, and a stopped worker reads no pipe: it ends only because the
     kernel kills it (PR_SET_PDEATHSIG) when the forkserver stops, and the forkserver stops because no worker keeps
@@ -181,7 +187,7 @@ def test_sigkill_to_the_driver_takes_a_stopped_worker_with_it(checkpoint, tmp_pa
     try:
         # A rank opens its log right after tying itself to the driver: once both logs exist, both are tied.
         logs = _wait_for(family, lambda: len(list(tmp.glob(f"{RUN_DIR_PREFIX}*/rank*.log"))) == 2 and
-                         list(tmp.glob(f"{RUN_DIR_PREFIX}*/rank*.log")), 60, "no two rank logs")
+                         list(tmp.glob(f"{RUN_DIR_PREFIX}*/rank*.log")), START_WAIT_S, "no two rank logs")
         run_dir = logs[0].parent
         workers = family.children_of(family.matching("multiprocessing.forkserver"))
         assert len(workers) == 2, family.describe()
