@@ -9,7 +9,7 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-gpu compare lm-eval bench-kernels bench-decode mutants mutants-ci \
+.PHONY: help venv test test-all test-slow test-zoo test-gpu compare lm-eval bench-kernels bench-decode mutants mutants-ci \
 	mutants-gpu vllm-venv test-vllm clean
 
 help:
@@ -17,6 +17,7 @@ help:
 	@echo "make lm-eval   lm-eval tasks on the oracle, the vendored engine and transformers; accuracy/perplexity gate"
 	@echo "make test      the CPU suite (not gpu, not slow), in parallel; creates .venv"
 	@echo "make test-slow the slow CPU tests (fuzz, preemption, the vendored engine's generic scenario matrix)"
+	@echo "make test-zoo  the rest of the config zoo's scenario matrix (about an hour on 2 cores)"
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
 	@echo "make bench-kernels  our kernels vs vLLM's and mamba_ssm's on a CUDA machine (table, JSON, PNG in out/bench-kernels)"
@@ -42,7 +43,12 @@ test: $(STAMP)
 	$(PYTEST_CPU) -m "not gpu and not slow" tests
 
 test-slow: $(STAMP)
-	$(PYTEST_CPU) -m "slow and not gpu" tests
+	$(PYTEST_CPU) -m "slow and not gpu and not zoo_full" tests
+
+# The whole config-zoo matrix: every zoo model through every batching, chunked-prefill, preemption and SSM-state-dtype
+# scenario and tp 1 and 2 (what test-slow does not already run); about an hour on 2 cores.
+test-zoo: $(STAMP)
+	$(PYTEST_CPU) -m "zoo_full" tests/engine/test_zoo_vs_oracle.py
 
 test-all: $(STAMP)
 	$(PYTEST_CPU) -m "not gpu" tests

@@ -2,9 +2,12 @@
 
 `make test` runs each zoo model through one scenario that has it all: prompts split into pieces that continue from a
 saved state (two of them in one step), decodes in the same steps, a request arriving mid-run and greedy generation
-(ZOO_SMOKE). `make test-slow` runs each model through every batching, chunked-prefill, SSM-state-dtype and
-preemption scenario, and tensor parallelism over 2 ranks where the model divides (ZOO_MATRIX_KINDS, ZOO_MATRIX_TP).
-The coverage test (tests/harness/test_zoo_coverage.py) reads ZOO_SMOKE and the workloads from here.
+(ZOO_SMOKE), in fp32 on the CPU (and bf16 on a GPU). `make test-slow` adds, for each model, the scenarios that exercise
+config handling in other paths (ZOO_SLOW: all requests batched together, a budget of Q+1, preemption, a bf16 SSM
+state, two tensor-parallel ranks where the model divides). `make test-zoo` runs the rest of the matrix: every
+batching, chunked-prefill, preemption and SSM-state-dtype scenario and tp 1 and 2 (marked zoo_full; about an hour
+on 2 cores, too long for CI).
+The coverage test (tests/harness/test_zoo_coverage.py) reads ENGINE_ZOO and the smoke scenario from here.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ ZOO_MATRIX_KINDS = ("batching", "chunked_prefill", "ssm_state_dtype", "preemptio
 ZOO_MATRIX_TP = (1, 2)          # tensor-parallel sizes of the matrix (4 and 8 run on the tiny model only)
 
 
-def smoke_scenario(cfg):
-    return next(s for s in build_scenarios(cfg) if s.id.startswith(ZOO_SMOKE))
+def zoo_slow(scenario, Q: int) -> bool:
+    """The matrix cases `make test-slow` runs for every zoo model of chunk size Q."""
+    chosen = ("batching-together", "ssm_state_dtype-bfloat16", "tp-size2", f"chunked_prefill-budget{Q + 1}-Q{Q}")
+    return scenario.id in chosen or scenario.kind == "preemption"
 
 
 DEVICES = [("cpu", torch.float32),
@@ -59,6 +64,8 @@ def _matrix():
             if (s.kind in ZOO_MATRIX_KINDS and not s.slow and not s.needs_cuda and not s.id.startswith(ZOO_SMOKE)
                     and s.options.tensor_parallel_size in ZOO_MATRIX_TP):
                 marks = [pytest.mark.slow] + [getattr(pytest.mark, m) for m in s.marks]
+                if not zoo_slow(s, zoo.model_config(name).mamba_chunk_size):
+                    marks.append(pytest.mark.zoo_full)
                 cases.append(pytest.param(name, s, id=f"{name}-{s.id}", marks=marks))
     return cases
 
