@@ -32,6 +32,10 @@ def zoo_slow(scenario, Q: int) -> bool:
     return scenario.id in chosen or scenario.kind == "preemption"
 
 
+def smoke_scenario(cfg):
+    return next(s for s in build_scenarios(cfg) if s.id.startswith(ZOO_SMOKE))
+
+
 DEVICES = [("cpu", torch.float32),
            pytest.param(("cuda", torch.bfloat16), marks=[pytest.mark.gpu, pytest.mark.skipif(
                not torch.cuda.is_available(), reason="needs a CUDA device")])]
