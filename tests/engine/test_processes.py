@@ -10,9 +10,12 @@ it appears, also after the driver is gone and the survivors are re-parented.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import pytest
 
 from tests.helpers import random_bamba_checkpoint
 from vendored.engine import EngineError, LLMEngine
-from vendored.engine.parallel import RUN_DIR_PREFIX, remove_stale_run_dirs
+from vendored.engine.parallel import MAX_UNIX_SOCKET_PATH, RUN_DIR_PREFIX, remove_stale_run_dirs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 15.0
@@ -29,6 +32,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tr
 # How long a driver may take to start its forkserver and workers: importing torch and the engine in two processes
 # took over 60 s on 2 cores busy with a parallel test run (a CI clean clone), so the signal tests are `slow` and wait.
 START_WAIT_S = 300
+DRIVER_ERR = "driver.err"                                          # in the driver's TMPDIR, beside what it leaves
 
 # The driver: a TP=2 engine on the CPU, then a line on stdout once it is up, then nothing until a signal ends it.
 DRIVER = """
@@ -106,34 +110,47 @@ class Family:
                 pass
 
 
-def _wait_for(family: Family, condition, timeout_s: float, what: str):
+def _wait_for(family: Family, driver: subprocess.Popen, tmp: Path, condition, timeout_s: float, what: str):
+    """Poll until condition() is truthy; fail at once, with the driver's stderr, if the driver ends first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         family.scan()
         found = condition()
         if found:
             return found
+        if driver.poll() is not None:
+            raise AssertionError(f"{what}: the driver ended (exit {driver.returncode}) before that; processes: "
+                                 f"{family.describe()}\ndriver stderr:\n{_stderr(tmp)}")
         time.sleep(0.02)
-    raise AssertionError(f"{what} within {timeout_s:g} s; processes: {family.describe()}")
+    raise AssertionError(f"{what} within {timeout_s:g} s; processes: {family.describe()}\n"
+                         f"driver stderr:\n{_stderr(tmp)}")
 
 
-def _start_driver(checkpoint: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    """The driver with its own temporary directory (so its rendezvous directory is the only one there) and its own
-    session (so nothing the test does to it reaches pytest's group). Its output goes to files: a pipe would be
-    inherited by the processes under test, and reading it to its end would wait for the last of them."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+@pytest.fixture
+def short_tmp():
+    """The driver's TMPDIR: its own (so its rendezvous directory is the only one there) and short, because the
+    forkserver's Unix socket lies in it and pytest's per-test directories are too long for one (108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="bh-proc-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_driver(checkpoint: Path, tmp_path: Path, tmp: Path) -> tuple[subprocess.Popen, Path]:
+    """The driver with its own temporary directory `tmp` and its own session (so nothing the test does to it reaches
+    pytest's group). Its output goes to files in tmp: a pipe would be inherited by the processes under test, and
+    reading it to its end would wait for the last of them."""
     env = {**os.environ, "TMPDIR": str(tmp), "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    with open(tmp_path / "driver.out", "wb") as out, open(tmp_path / "driver.err", "wb") as err:
+    with open(tmp / "driver.out", "wb") as out, open(tmp / DRIVER_ERR, "wb") as err:
         proc = subprocess.Popen([sys.executable, str(script), str(checkpoint)], env=env, cwd=REPO_ROOT,
                                 stdout=out, stderr=err, start_new_session=True)
     return proc, tmp
 
 
 def _stderr(tmp: Path) -> str:
-    return (tmp.parent / "driver.err").read_text(errors="replace")[-3000:]
+    err = tmp / DRIVER_ERR
+    return err.read_text(errors="replace")[-3000:] if err.is_file() else "(none)"
 
 
 def _assert_all_gone(family: Family, driver: subprocess.Popen, tmp: Path) -> None:
@@ -155,17 +172,17 @@ def _assert_all_gone(family: Family, driver: subprocess.Popen, tmp: Path) -> Non
 @pytest.mark.parametrize("sig,moment", [("SIGINT", "forkserver-starting"),
                                         pytest.param("SIGINT", "workers-starting", marks=pytest.mark.slow),
                                         pytest.param("SIGTERM", "workers-starting", marks=pytest.mark.slow)])
-def test_a_signal_to_the_driver_alone_leaves_no_process_and_no_directory(sig, moment, checkpoint, tmp_path):
+def test_a_signal_to_the_driver_alone_leaves_no_process_and_no_directory(sig, moment, checkpoint, tmp_path, short_tmp):
     """forkserver-starting: the driver is blocked in starting rank 0 while the forkserver imports torch (the
     interrupt lands before any worker exists, and the forkserver forks rank 0 anyway); workers-starting: both ranks
     have been forked and are starting up (rendezvous, loading their shards), or have just finished."""
-    driver, tmp = _start_driver(checkpoint, tmp_path)
+    driver, tmp = _start_driver(checkpoint, tmp_path, short_tmp)
     family = Family(driver.pid)
     try:
-        forkserver = _wait_for(family, lambda: family.matching("multiprocessing.forkserver"), START_WAIT_S,
+        forkserver = _wait_for(family, driver, tmp, lambda: family.matching("multiprocessing.forkserver"), START_WAIT_S,
                                "no forkserver started")
         if moment == "workers-starting":
-            _wait_for(family, lambda: len(family.children_of(forkserver)) >= 2, START_WAIT_S,
+            _wait_for(family, driver, tmp, lambda: len(family.children_of(forkserver)) >= 2, START_WAIT_S,
                       "no two workers started")
         assert driver.poll() is None, "the driver ended before it was interrupted"
         assert list(tmp.glob(RUN_DIR_PREFIX + "*")), "no rendezvous directory while the workers start"
@@ -177,16 +194,16 @@ def test_a_signal_to_the_driver_alone_leaves_no_process_and_no_directory(sig, mo
 
 @pytest.mark.tp
 @pytest.mark.slow
-def test_sigkill_to_the_driver_takes_a_stopped_worker_with_it(checkpoint, tmp_path):
+def test_sigkill_to_the_driver_takes_a_stopped_worker_with_it(checkpoint, tmp_path, short_tmp):
     """SIGKILL leaves the driver no time for anything, and a stopped worker reads no pipe: it ends only because the
     kernel kills it (PR_SET_PDEATHSIG) when the forkserver stops, and the forkserver stops because no worker keeps
     its "alive" pipe open. The resource tracker follows. The rendezvous directory stays while the driver's pid
     exists and is removed by the next engine's remove_stale_run_dirs once it does not."""
-    driver, tmp = _start_driver(checkpoint, tmp_path)
+    driver, tmp = _start_driver(checkpoint, tmp_path, short_tmp)
     family = Family(driver.pid)
     try:
         # A rank opens its log right after tying itself to the driver: once both logs exist, both are tied.
-        logs = _wait_for(family, lambda: len(list(tmp.glob(f"{RUN_DIR_PREFIX}*/rank*.log"))) == 2 and
+        logs = _wait_for(family, driver, tmp, lambda: len(list(tmp.glob(f"{RUN_DIR_PREFIX}*/rank*.log"))) == 2 and
                          list(tmp.glob(f"{RUN_DIR_PREFIX}*/rank*.log")), START_WAIT_S, "no two rank logs")
         run_dir = logs[0].parent
         workers = family.children_of(family.matching("multiprocessing.forkserver"))
@@ -200,6 +217,40 @@ def test_sigkill_to_the_driver_takes_a_stopped_worker_with_it(checkpoint, tmp_pa
         _assert_all_gone(family, driver, tmp)
     finally:
         family.kill_survivors()
+
+
+def test_a_temp_dir_too_long_for_the_forkserver_socket_is_named_before_any_worker_starts(checkpoint, tmp_path):
+    """With a TMPDIR so long that the forkserver's socket path does not fit, multiprocessing fails deep inside
+    Process.start with "AF_UNIX path too long". The engine says which directory and what to do instead, before it
+    starts anything (this is what a test framework's per-test TMPDIR ran into)."""
+    tmp = tmp_path / ("long-" + "x" * (MAX_UNIX_SOCKET_PATH - len(str(tmp_path))))
+    tmp.mkdir()
+    script = ("import sys\nfrom vendored.engine import EngineError, LLMEngine\n"
+              "try:\n    LLMEngine(sys.argv[1], tensor_parallel_size=2, max_model_len=32, max_num_seqs=2)\n"
+              "except EngineError as e:\n    print(e)\n    sys.exit(3)\n")
+    env = {**os.environ, "TMPDIR": str(tmp), "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-c", script, str(checkpoint)], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "set TMPDIR to a shorter directory" in done.stdout and str(tmp) in done.stdout, done.stdout
+    assert not list(tmp.glob(RUN_DIR_PREFIX + "*")), "a rendezvous directory was made before the check"
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="no Unix sockets")
+def test_the_socket_path_limit_is_the_kernels(tmp_path):
+    """MAX_UNIX_SOCKET_PATH is the longest path this OS binds a Unix socket at: one byte more is refused."""
+    base = Path(tempfile.mkdtemp(prefix="bh-sock-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    try:
+        for extra, fits in ((0, True), (1, False)):
+            path = str(base / "s").ljust(MAX_UNIX_SOCKET_PATH + extra, "x")
+            with socket.socket(socket.AF_UNIX) as sock:
+                if fits:
+                    sock.bind(path)
+                else:
+                    with pytest.raises(OSError):
+                        sock.bind(path)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_stale_run_dirs_are_those_of_drivers_that_are_gone(tmp_path):

@@ -30,6 +30,7 @@ import ctypes
 import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -65,6 +66,11 @@ RUN_DIR_PREFIX = "bamba-engine-"
 # How long ready workers get to leave by themselves after "close" before they are killed.
 CLOSE_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1                          # <linux/prctl.h>
+# The forkserver listens on a Unix socket at <temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX; sun_path holds 108 bytes
+# on Linux (104 on macOS and the BSDs), the terminating NUL included. A longer path fails deep inside multiprocessing
+# with "AF_UNIX path too long", after the checkpoint is read, so the engine checks it first.
+MAX_UNIX_SOCKET_PATH = 107 if sys.platform.startswith("linux") else 103
+FORKSERVER_SOCKET_NAME = "listener-XXXXXXXX"
 
 
 @dataclass(frozen=True)
@@ -497,6 +503,23 @@ class ParallelModel:
         raise EngineError("\n".join([f"parallel engine (tp={self.spec.tp}, pp={self.spec.pp}): {message}"] + logs))
 
 
+def forkserver_socket_problem() -> str | None:
+    """Why multiprocessing's forkserver could not bind its socket in this process, or None when it can (or runs).
+
+    The socket lives in multiprocessing's per-process temporary directory (under TMPDIR, created on first use and
+    then fixed for the life of the process), so a long TMPDIR, such as a test framework's per-test directory, makes
+    the path too long for a Unix socket."""
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_address", None) is not None:
+        return None                                              # already listening: no new socket is needed
+    path = os.path.join(multiprocessing.util.get_temp_dir(), FORKSERVER_SOCKET_NAME)
+    if len(os.fsencode(path)) <= MAX_UNIX_SOCKET_PATH:
+        return None
+    return (f"the forkserver's socket would be {path!r}, {len(os.fsencode(path))} bytes, and a Unix socket path "
+            f"holds at most {MAX_UNIX_SOCKET_PATH}; it lies in the temporary directory "
+            f"{tempfile.gettempdir()!r}: set TMPDIR to a shorter directory (for example /tmp)")
+
+
 def start_parallel_model(checkpoint, cfg: EngineModelConfig, tensors: dict[str, torch.Tensor], *, tp: int, pp: int,
                          dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device, max_positions: int,
                          num_slots: int, num_blocks: int, block_size: int, timeout_s: float) -> ParallelModel:
@@ -516,6 +539,9 @@ def start_parallel_model(checkpoint, cfg: EngineModelConfig, tensors: dict[str, 
         problems.append(f"parallel_timeout_s: expected a positive number of seconds, got {timeout_s!r}")
     if problems:
         raise EngineError(f"cannot split the model over tp = {tp} × pp = {pp} ranks: " + "; ".join(problems))
+    socket_problem = forkserver_socket_problem()
+    if socket_problem:
+        raise EngineError(f"cannot start the parallel workers (tp = {tp} × pp = {pp}): {socket_problem}")
     remove_stale_run_dirs()
     spec = WorkerSpec(checkpoint=str(checkpoint), cfg=cfg, intermediate_size=intermediate_size, tp=tp, pp=pp,
                       dtype=dtype, state_dtype=state_dtype, device_type=device.type, first_device=device.index or 0,
