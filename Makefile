@@ -9,7 +9,7 @@ XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
-.PHONY: help venv test test-all test-slow test-zoo test-gpu compare lm-eval bench-kernels bench-decode mutants mutants-ci \
+.PHONY: help venv test test-all test-slow test-zoo test-gpu test-scale mutants-scale compare lm-eval bench-kernels bench-decode mutants mutants-ci \
 	mutants-gpu vllm-venv test-vllm clean
 
 help:
@@ -20,6 +20,8 @@ help:
 	@echo "make test-zoo  the rest of the config zoo's scenario matrix (about an hour on 2 cores)"
 	@echo "make test-all  every CPU test, slow ones included"
 	@echo "make test-gpu  the suite on a CUDA machine with the python3 that is there (no installs)"
+	@echo "make test-scale the real-width (Bamba-9B-shaped) models on a CUDA machine, fp32 and bf16"
+	@echo "make mutants-scale  engine mutants judged end to end at real width (CUDA); false-failure rate"
 	@echo "make bench-kernels  our kernels vs vLLM's and mamba_ssm's on a CUDA machine (table, JSON, PNG in out/bench-kernels)"
 	@echo "make fetch-peers  vLLM's, mamba_ssm's and fla-core's Triton ops (pinned, PyPI) into .peers for bench-kernels"
 	@echo "make bench-decode  decode tokens/s with and without CUDA graphs (GPU: python3 there; out/bench)"
@@ -55,7 +57,16 @@ test-all: $(STAMP)
 
 # On the GPU image: the gpu-marked tests plus everything else that runs on CUDA when it is present.
 test-gpu:
-	$(GPU_PY) -m pytest -p no:cacheprovider -m "gpu and not slow" tests
+	$(GPU_PY) -m pytest -p no:cacheprovider -m "gpu and not slow and not scale" tests
+
+# GPU: the real-width models (harness/scale.py) in fp32 and bf16 beyond test-gpu's smoke.
+test-scale:
+	$(GPU_PY) -m pytest -p no:cacheprovider -m "scale" tests/engine/test_scale_gpu.py
+
+# GPU: every engine mutant judged end to end on the real-width 2-layer slice in bf16 and fp32, and the clean
+# engine's false-failure rate over 20 prompt seeds (table, JSON and PNG in out/mutants-scale; docs/scale.md).
+mutants-scale:
+	$(GPU_PY) -m mutants.scale --out out/mutants-scale
 
 # GPU, python3 of the image: our ops against the peers in $(PEERS) (fetch: make fetch-peers); < 8 min.
 PEERS ?= .peers

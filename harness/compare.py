@@ -34,6 +34,19 @@ the baseline's logprob of its own token exceeds its logprob of the candidate's t
 baseline's top-2 margin is within the budget and the candidate chose one of the near-tied tokens); past that step the
 candidate is re-run teacher-forced on the baseline's tokens and those positions are compared like prompt positions.
 
+The excess test (16-bit candidates against the oracle). The max budget bounds the worst position; a bug that
+doubles the error everywhere stays inside it, since a bf16 model's typical error is a fraction of its largest. So
+the candidate's error is also compared, on average, with the error of the reference run in the candidate's dtype
+(the "noise floor": same requests, teacher-forced, the SSM state and recurrence kept in float32 as engines keep
+them): per position class, over the positions the class holds,
+    mean |cand − oracle|  <=  EXCESS_RATIO · mean |ref_d − oracle|  + atol
+with classes all, prompt (teacher-forced prompt positions), decode (generated positions), after-piece (the first
+BOUNDARY_WINDOW positions predicted from a chunked-prefill piece that continues a saved state), after-chunk (the
+first BOUNDARY_WINDOW positions after each multiple of the chunk size Q inside a prefill piece, where the chunked
+scan hands its state on). A class with fewer than MIN_CLASS_POSITIONS positions is reported but not judged. The
+boundaries are those of the scheduler plan of harness/schedule.py (exact for the vendored engine, the closest
+model of others'). Its threshold and false-failure rate are measured on real-width models (docs/scale.md).
+
 Metrics: max |Δ logprob|; mean KL(baseline ‖ candidate) over positions, on the full distributions when both sides
 return them, else on the top-k coarsening (the tokens in both top-k lists plus one bucket for the rest of the mass,
 a lower bound of the full KL; either is clamped at 0, where rounding of nearly equal distributions leaves it);
@@ -59,6 +72,66 @@ ATOL: dict[torch.dtype, float] = {
 }
 
 
+# The excess test's threshold, the positions a class needs to be judged, and how many positions after a boundary
+# belong to its class (module docstring; measured in docs/scale.md).
+EXCESS_RATIO = 1.5
+MIN_CLASS_POSITIONS = 32
+BOUNDARY_WINDOW = 4
+POSITION_CLASSES = ("all", "prompt", "decode", "after-piece", "after-chunk")
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """The reference's own error in the candidate's dtype: errors[request_id][i] = |ref_d − ref_fp64| at position
+    i+1 (teacher-forced on the oracle's continuation, so rows match the comparison's), and the positions of each
+    class (position_classes) per request."""
+
+    dtype: str
+    errors: dict[str, list[float]]
+    classes: dict[str, dict[str, set[int]]]
+    ratio: float = EXCESS_RATIO
+    atol: float = 0.0
+    min_positions: int = MIN_CLASS_POSITIONS
+
+
+def position_classes(prompt_len: int, n_new: int, pieces: Sequence[tuple[int, int, bool]], chunk_size: int, *,
+                     window: int = BOUNDARY_WINDOW) -> dict[str, set[int]]:
+    """The positions (1..T+n-1) of each class for one request fed in `pieces` ((start, stop, decode) in order).
+    Position p is predicted from token p-1, so a boundary before token b makes positions b+1..b+window "after" it."""
+    last = prompt_len + n_new - 1
+    classes = {"all": set(range(1, last + 1)), "prompt": set(range(1, prompt_len)),
+               "decode": set(range(prompt_len, last + 1)), "after-piece": set(), "after-chunk": set()}
+    for start, stop, decode in pieces:
+        if decode:
+            continue
+        if start > 0:
+            classes["after-piece"].update(range(start + 1, min(start + window, stop) + 1))
+        for b in range(start + chunk_size, stop, chunk_size):
+            classes["after-chunk"].update(range(b + 1, min(b + window, stop) + 1))
+    return {name: {p for p in ps if 1 <= p <= last} for name, ps in classes.items()}
+
+
+def excess_table(comparisons: Sequence["RequestComparison"], noise: NoiseFloor) -> dict[str, dict]:
+    """Per class: positions, the candidate's and the reference's mean error there, their ratio, whether judged."""
+    table = {}
+    for name in POSITION_CLASSES:
+        cand, ref = [], []
+        for c in comparisons:
+            members = noise.classes.get(c.request_id, {}).get(name, set())
+            errors = noise.errors.get(c.request_id, [])
+            for position, delta in zip(c.positions, c.deltas):
+                if position in members and position - 1 < len(errors):
+                    cand.append(delta)
+                    ref.append(errors[position - 1])
+        n = len(cand)
+        cand_mean = sum(cand) / n if n else 0.0
+        ref_mean = sum(ref) / n if n else 0.0
+        table[name] = {"positions": n, "candidate_mean": cand_mean, "reference_mean": ref_mean,
+                       "ratio": cand_mean / ref_mean if ref_mean > 0 else (math.inf if cand_mean > 0 else 0.0),
+                       "limit": noise.ratio * ref_mean + noise.atol, "judged": n >= noise.min_positions}
+    return table
+
+
 @dataclass(frozen=True)
 class Budget:
     """The largest |Δ logprob| allowed at any position: k · reference_error + atol. reference_error 0: the baseline
@@ -75,8 +148,9 @@ class Budget:
 
 @dataclass(frozen=True)
 class Failure:
-    """One position outside the budget (what = "logprob"), a greedy token that is no near-tie ("token"), or a
-    result of the wrong shape ("shape")."""
+    """One position outside the budget (what = "logprob"), a greedy token that is no near-tie ("token"), a result
+    of the wrong shape ("shape"), or a class of positions whose mean error exceeds the noise floor's ("excess":
+    where = the class, position 0)."""
 
     scenario: str
     request_id: str
@@ -102,6 +176,8 @@ class Failure:
                     f"candidate token {self.candidate_token} ({self.baseline_name} logprob of it "
                     f"{self.candidate_logprob:.6f}): margin {self.baseline_logprob - self.candidate_logprob:.3g} "
                     f"> budget {self.budget:.3g}, not a near-tie")
+        if self.what == "excess":
+            return f"{self.scenario}: positions {self.where}: {self.detail}"
         return f"{head}: {self.detail}"
 
 
@@ -221,12 +297,12 @@ def kl_divergence(base: _Rows, cand: _Rows, row: int) -> float:
 def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequence[RequestResult],
                  candidate: Sequence[RequestResult], budget: Budget,
                  rerun: Callable[[list[Request]], list[RequestResult]] | None = None,
-                 baseline_name: str = "oracle") -> Report:
+                 baseline_name: str = "oracle", noise: NoiseFloor | None = None) -> Report:
     """Judge `candidate` against `baseline` (results of the same requests, matched by request_id).
 
     rerun: runs the candidate engine on teacher-forced requests (prompt + the baseline's continuation); it is called
     once, with every request whose greedy tokens diverged. Without it the positions after a divergence are listed
-    in `not_compared`.
+    in `not_compared`. noise: run the excess test against this noise floor (module docstring).
     """
     by_id = {r.request_id: r for r in requests}
     base = {r.request_id: r for r in baseline}
@@ -251,9 +327,18 @@ def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequen
                                              budget.value, baseline_name)
         comparisons.append(comparison)
         failures += found
-    return Report(scenario, comparisons, failures,
-                  {"k": budget.k, "atol": budget.atol, "reference_error": budget.reference_error,
-                   "budget": budget.value})
+    meta = {"k": budget.k, "atol": budget.atol, "reference_error": budget.reference_error, "budget": budget.value}
+    if noise is not None:
+        table = excess_table(comparisons, noise)
+        meta["excess"] = {"dtype": noise.dtype, "ratio_limit": noise.ratio, "classes": table}
+        for name, row in table.items():
+            if row["judged"] and not row["candidate_mean"] <= row["limit"]:
+                failures.append(Failure(
+                    scenario, "*", 0, name, "excess", budget=row["limit"], baseline_name=baseline_name,
+                    detail=(f"mean |Δ| {row['candidate_mean']:.3g} over {row['positions']} positions is "
+                            f"{row['ratio']:.2f}× the {noise.dtype} reference's {row['reference_mean']:.3g} "
+                            f"(limit {noise.ratio:g}× + {noise.atol:g})")))
+    return Report(scenario, comparisons, failures, meta)
 
 
 def _shape_problem(req: Request, base: RequestResult | None, cand: RequestResult | None, baseline_name: str) -> str:

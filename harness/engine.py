@@ -222,6 +222,9 @@ class Engine(abc.ABC):
     # True for engines that drive something outside this process (another virtualenv, a server): pytest runs their
     # cases only when named with --engine, never as part of "every available engine".
     opt_in: ClassVar[bool] = False
+    # The SSM state dtype the engine keeps when options.ssm_state_dtype is None; None: its run dtype. The excess
+    # test's noise floor keeps the reference's state so (harness/compare.py).
+    default_ssm_state_dtype: ClassVar[str | None] = None
 
     def __init__(self, checkpoint: str | Path, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", options: EngineOptions | None = None) -> None:

@@ -13,6 +13,7 @@ Nothing it is given changes what is computed.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -22,9 +23,10 @@ import torch
 
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
-from .compare import ATOL, DEFAULT_K, Budget, Report, compare_runs
+from .compare import ATOL, DEFAULT_K, Budget, NoiseFloor, Report, compare_runs, position_classes
 from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
 from .scenarios import PromptSource, Scenario
+from .schedule import RequestShape, plan_options, plan_steps
 
 # Full distributions are returned (for exact KL) while one request's rows stay below this many elements.
 FULL_DISTRIBUTION_LIMIT = 1 << 24
@@ -60,13 +62,15 @@ class Oracle:
         self._errors: dict[tuple, float] = {}
 
     def engine(self, dtype: torch.dtype = torch.float64, ssm_state_dtype: str | None = None) -> ReferenceEngine:
-        """The reference in `dtype`, ORACLE_STEP_TOKENS per step. With an SSM state dtype it runs one token per
-        step, so that its state is rounded to that dtype after every token, as a decode step rounds it: the largest
-        storage error that configuration can incur, and so the error a candidate's budget is calibrated on."""
+        """The reference in `dtype`, ORACLE_STEP_TOKENS per step. With an SSM state dtype narrower than `dtype` it
+        runs one token per step, so that its state is rounded to that dtype after every token, as a decode step
+        rounds it: the largest storage error that configuration can incur, and so the error a candidate's budget is
+        calibrated on. A wider one (float32 under bfloat16) runs its scan and keeps its state in it."""
         key = (dtype, ssm_state_dtype)
         if key not in self._engines:
+            narrower = ssm_state_dtype is not None and parse_dtype(ssm_state_dtype).itemsize < dtype.itemsize
             options = EngineOptions(allow_long_context=True, ssm_state_dtype=ssm_state_dtype,
-                                    max_num_batched_tokens=1 if ssm_state_dtype is not None else ORACLE_STEP_TOKENS,
+                                    max_num_batched_tokens=1 if narrower else ORACLE_STEP_TOKENS,
                                     engine_args={"gated_norm": self.gated_norm})
             self._engines[key] = ReferenceEngine(self.checkpoint, dtype=dtype, device=self.device, options=options)
         return self._engines[key]
@@ -85,9 +89,8 @@ class Oracle:
         reference itself in that dtype (and SSM state dtype, where the reference can store its state so, else the
         run dtype alone) over every position of the requests, teacher-forced on the oracle's continuations."""
         atol = ATOL[dtype] if atol is None else atol
-        if ssm_state_dtype is not None and (parse_dtype(ssm_state_dtype) == dtype or ReferenceEngine.unsupported(
-                EngineOptions(ssm_state_dtype=ssm_state_dtype), dtype=dtype, device=self.device)):
-            ssm_state_dtype = None
+        if ssm_state_dtype is not None and parse_dtype(ssm_state_dtype).itemsize >= dtype.itemsize:
+            ssm_state_dtype = None            # the budget is calibrated on the run dtype's error alone
         if dtype == torch.float64 and ssm_state_dtype is None:
             return Budget(k, atol)
         base = self.results(requests)
@@ -101,6 +104,55 @@ class Oracle:
                 self._errors[config, _key(req)] = float(diff.max()) if diff.numel() else float("nan")
         maxima = [self._errors[config, _key(r)] for r in requests]
         return Budget(k, atol, max((m for m in maxima if not math.isnan(m)), default=0.0))
+
+    def position_errors(self, requests: Sequence[Request], dtype: torch.dtype,
+                        ssm_state_dtype: str | None = None) -> dict[str, list[float]]:
+        """|ref_d − ref_fp64| at every position of every request (row i: position i+1), the reference in `dtype`
+        with its SSM state in `ssm_state_dtype`, teacher-forced on the oracle's continuations."""
+        base = self.results(requests)
+        config = ("rows", dtype, ssm_state_dtype)
+        missing = [(r, b) for r, b in zip(requests, base) if (config, _key(r)) not in self._errors]
+        if missing:
+            forced = [r.teacher_forced(b.output_ids) for r, b in missing]
+            for (req, b), result in zip(missing, self.engine(dtype, ssm_state_dtype).run(forced)):
+                self._errors[config, _key(req)] = (result.prompt_logprobs - b.sequence_logprobs()).abs().tolist()
+        return {r.request_id: self._errors[config, _key(r)] for r in requests}
+
+    def noise_floor(self, requests: Sequence[Request], dtype: torch.dtype, options: EngineOptions,
+                    *, atol: float = 0.0, engine_state_dtype: str | None = None) -> NoiseFloor:
+        """The excess test's noise floor for a candidate in `dtype` under `options` (harness/compare.py): the
+        reference in `dtype` with the candidate's SSM state dtype (options.ssm_state_dtype, else the engine's
+        default, `engine_state_dtype`, None: `dtype`), and each request's position classes in the scheduler plan
+        of `options`."""
+        state = options.ssm_state_dtype or engine_state_dtype
+        if state is not None and parse_dtype(state) == dtype:
+            state = None
+        errors = self.position_errors(requests, dtype, state)
+        plan = plan_steps([RequestShape(len(r.prompt), r.max_new_tokens, r.arrival_step) for r in requests],
+                          **plan_options(options))
+        pieces: list[list[tuple[int, int, bool]]] = [[] for _ in requests]
+        for step in plan:
+            for piece in step.pieces:
+                pieces[piece.request].append((piece.start, piece.stop, piece.decode))
+        chunk = json.loads((self.checkpoint / "config.json").read_text())["mamba_chunk_size"]
+        classes = {r.request_id: position_classes(len(r.prompt), r.max_new_tokens, pieces[i], chunk)
+                   for i, r in enumerate(requests)}
+        return NoiseFloor(dtype_name(dtype), errors, classes, atol=atol)
+
+    def save_cache(self, path: str | Path) -> None:
+        """Write every result and error computed so far, so that another process (a mutant's, say) judges against
+        the same oracle without loading the fp64 model again (load_cache)."""
+        torch.save({"checkpoint": str(self.checkpoint.resolve()), "gated_norm": self.gated_norm,
+                    "results": self._results, "errors": self._errors}, path)
+
+    def load_cache(self, path: str | Path) -> None:
+        """Adopt the results and errors save_cache wrote for this checkpoint and gated norm (ValueError otherwise)."""
+        cache = torch.load(path, weights_only=False)
+        if (cache["checkpoint"], cache["gated_norm"]) != (str(self.checkpoint.resolve()), self.gated_norm):
+            raise ValueError(f"{path}: an oracle cache of {cache['checkpoint']} ({cache['gated_norm']} gated norm), "
+                             f"not of {self.checkpoint.resolve()} ({self.gated_norm})")
+        self._results.update(cache["results"])
+        self._errors.update(cache["errors"])
 
     def close(self) -> None:
         for engine in self._engines.values():
@@ -158,9 +210,14 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
         baseline = oracle.results(requests)
         _enter(progress, "budget")
         budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
+        noise = None
+        if dtype.itemsize <= 2:                             # 16-bit: the excess test (compare.py)
+            _enter(progress, "noise floor")
+            noise = oracle.noise_floor(requests, dtype, options, atol=budget.atol,
+                                       engine_state_dtype=engine_cls.default_ssm_state_dtype)
         _enter(progress, engine_cls.name, candidate)
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
-                              candidate=candidate.run(requests), budget=budget, rerun=candidate.run)
+                              candidate=candidate.run(requests), budget=budget, rerun=candidate.run, noise=noise)
         hint = getattr(engine_cls, "oracle_hint", None)       # an engine known to compute another model here
         if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
             report.meta["hint"] = text

@@ -130,32 +130,51 @@ def prompt_source(name: str, *, seed: int = 0, count: int = 8, length: int = 64)
     return PromptSource(cfg.vocab_size, seed=seed, prompts=prompts.tolist())
 
 
+def zoo_ssm_scalars(key: str, shape: tuple[int, ...], gen: torch.Generator, device) -> torch.Tensor | None:
+    """A_log and dt_bias as the module docstring says (None for any other tensor)."""
+    if key.endswith("A_log"):
+        slow = torch.rand(shape, generator=gen, device=device) * 0.18 + 0.02          # |A| in [0.02, 0.2]
+        fast = torch.rand(shape, generator=gen, device=device) * 7.0 + 1.0            # |A| in [1, 8]
+        heads = torch.arange(shape[0], device=device)
+        return torch.log(torch.where(heads % 2 == 0, slow, fast))
+    if key.endswith("dt_bias"):
+        return torch.rand(shape, generator=gen, device=device) * 3.0 - 2.0
+    return None
+
+
+def iter_weights(cfg: ModelConfig, seed: int, *, ssm_scalars=zoo_ssm_scalars, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+    """(key, tensor) for every tensor the config's model reads (tied heads left out), in checkpoint order, drawn one
+    at a time on `device` as the module docstring says and returned in `dtype` on the CPU. ssm_scalars(key, shape,
+    generator, device) draws A_log and dt_bias (None for other keys): the one thing a model family tunes."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, device=device)
+
+    for key, shape in expected_shapes(cfg).items():
+        value = ssm_scalars(key, shape, gen, device)
+        if value is not None:
+            pass
+        elif key.endswith(".D"):
+            value = randn(shape)
+        elif key.endswith("norm.weight"):                                            # RMSNorm scales
+            value = 1.0 + 0.2 * randn(shape)
+        elif key.endswith(".bias"):
+            value = 0.2 * randn(shape)
+        elif key == "lm_head.weight" or (key == "model.embed_tokens.weight" and cfg.tie_word_embeddings):
+            value = HEAD_SCALE / cfg.hidden_size ** 0.5 * randn(shape)
+        elif len(shape) == 2 and key != "model.embed_tokens.weight":                 # projections (out, in)
+            value = MATRIX_SCALE / shape[1] ** 0.5 * randn(shape)
+        else:                                                                        # embedding, conv taps
+            value = 0.2 * randn(shape)
+        yield key, value.to(dtype).cpu().contiguous()
+
+
 def draw_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor the config's model reads (tied heads left out), drawn as the module docstring says, fp32."""
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for key, shape in expected_shapes(cfg).items():
-        if key.endswith("A_log"):
-            slow = torch.rand(shape, generator=gen) * 0.18 + 0.02                    # |A| in [0.02, 0.2]
-            fast = torch.rand(shape, generator=gen) * 7.0 + 1.0                      # |A| in [1, 8]
-            heads = torch.arange(shape[0])
-            value = torch.log(torch.where(heads % 2 == 0, slow, fast))
-        elif key.endswith("dt_bias"):
-            value = torch.rand(shape, generator=gen) * 3.0 - 2.0
-        elif key.endswith(".D"):
-            value = torch.randn(shape, generator=gen)
-        elif key.endswith("norm.weight"):                                            # RMSNorm scales
-            value = 1.0 + 0.2 * torch.randn(shape, generator=gen)
-        elif key.endswith(".bias"):
-            value = 0.2 * torch.randn(shape, generator=gen)
-        elif key == "lm_head.weight" or (key == "model.embed_tokens.weight" and cfg.tie_word_embeddings):
-            value = HEAD_SCALE / cfg.hidden_size ** 0.5 * torch.randn(shape, generator=gen)
-        elif len(shape) == 2 and key != "model.embed_tokens.weight":                 # projections (out, in)
-            value = MATRIX_SCALE / shape[1] ** 0.5 * torch.randn(shape, generator=gen)
-        else:                                                                        # embedding, conv taps
-            value = 0.2 * torch.randn(shape, generator=gen)
-        out[key] = value.to(torch.float32).contiguous()
-    return out
+    return dict(iter_weights(cfg, seed))
 
 
 def write_checkpoint(name: str, directory: str | Path, *, seed: int = 0) -> Path:

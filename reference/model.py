@@ -62,10 +62,14 @@ class BambaReference:
         device: str | torch.device = "cpu",
         gated_norm: str = "grouped",
         allow_long_context: bool = False,
+        scan_dtype: torch.dtype | None = None,
     ) -> None:
         """gated_norm: "grouped" normalises y·silu(z) per group of H·P/G channels, as Bamba was trained (mamba_ssm's
         fused kernel) and as vLLM serves it; "full" normalises over all H·P channels, as transformers' PyTorch path
-        does. The two agree when G = 1. allow_long_context: accept positions past max_position_embeddings."""
+        does. The two agree when G = 1. allow_long_context: accept positions past max_position_embeddings.
+        scan_dtype: the dtype of the SSM recurrence and of the state it carries between pieces (default: dtype).
+        A wider one (float32 with a bfloat16 model) is how engines run a 16-bit model: the scan reads its 16-bit
+        inputs, computes and keeps its state in float32, and hands its output back in the model's dtype."""
         if gated_norm not in ("grouped", "full"):
             raise ValueError(f"gated_norm: expected 'grouped' or 'full', got {gated_norm!r}")
         self.cfg = cfg
@@ -73,6 +77,7 @@ class BambaReference:
         self.device = torch.device(device)
         self.allow_long_context = allow_long_context
         self.norm_group_size = cfg.gated_norm_group_size if gated_norm == "grouped" else cfg.mamba_inner
+        self.scan_dtype = dtype if scan_dtype is None else scan_dtype
         weights = check_weights(cfg, weights)
         self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
 
@@ -88,7 +93,8 @@ class BambaReference:
         for i, kind in enumerate(cfg.layer_types):
             if kind == "mamba":
                 state.conv[i] = torch.zeros(cfg.conv_dim, cfg.mamba_d_conv - 1, **kw)
-                state.ssm[i] = torch.zeros(cfg.mamba_n_heads, cfg.mamba_head_dim, cfg.mamba_d_state, **kw)
+                state.ssm[i] = torch.zeros(cfg.mamba_n_heads, cfg.mamba_head_dim, cfg.mamba_d_state,
+                                           dtype=self.scan_dtype, device=self.device)
             else:
                 state.keys[i] = torch.zeros(0, cfg.num_key_value_heads, cfg.attn_head_dim, **kw)
                 state.values[i] = torch.zeros(0, cfg.num_key_value_heads, cfg.attn_head_dim, **kw)
@@ -158,13 +164,14 @@ class BambaReference:
         xBC = causal_conv1d_ref(xBC, self.w[p + "conv1d.weight"][:, 0], self.w.get(p + "conv1d.bias"),
                                 conv_pool, cu_seqlens, slots, everyone, activation="silu")
         xs, B, C = xBC.split([H * P, G * N, G * N], dim=-1)
+        s = self.scan_dtype                                                      # the recurrence's own precision
         y = ssd_scan_ref(
-            xs.reshape(T, H, P), dt, -torch.exp(self.w[p + "A_log"]),
-            B.reshape(T, G, N), C.reshape(T, G, N),
-            chunk_size=cfg.mamba_chunk_size, D=self.w[p + "D"], dt_bias=self.w[p + "dt_bias"], z=None,
+            xs.reshape(T, H, P).to(s), dt.to(s), -torch.exp(self.w[p + "A_log"].to(s)),
+            B.reshape(T, G, N).to(s), C.reshape(T, G, N).to(s),
+            chunk_size=cfg.mamba_chunk_size, D=self.w[p + "D"].to(s), dt_bias=self.w[p + "dt_bias"].to(s), z=None,
             cu_seqlens=cu_seqlens, ssm_states=ssm_pool, state_indices=slots, has_initial_state=everyone,
             dt_softplus=True, dt_limit=cfg.time_step_limit,
-        )                                                                        # (T, H, P)
+        ).to(self.dtype)                                                         # (T, H, P)
         y = rms_norm_gated_ref(y.reshape(T, H * P), z, self.w[p + "norm.weight"], eps=cfg.rms_norm_eps,
                                group_size=self.norm_group_size, norm_before_gate=False)
         for b, s in enumerate(new_states):

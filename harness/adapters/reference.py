@@ -6,8 +6,8 @@ with its own unchunked run. fp64 by default, any dtype on request.
 
 Honours max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, arrival steps, num_kv_blocks and
 kv_block_size (the plan's preemptions and recomputations are executed too), allow_long_context and ssm_state_dtype
-(the SSM state is rounded to that dtype between steps, as an engine's state cache would hold it; a dtype wider than
-the run dtype is unsupported, since the oracle has no mixed-precision scan).
+(narrower than the run dtype: the SSM state is rounded to it between steps, as an engine's state cache would hold it;
+wider, say float32 under bfloat16: the recurrence computes and keeps its state in it, as engines run 16-bit models).
 engine_args: gated_norm = "grouped" (default; how Bamba was trained) | "full" (what transformers computes).
 """
 
@@ -35,21 +35,20 @@ class ReferenceEngine(Engine):
                            f"{options.pipeline_parallel_size}: the reference runs on one device")
         if options.cuda_graphs:
             reasons.append("cuda_graphs: the reference has no graph capture")
-        state = options.ssm_state_dtype
-        if state is not None and parse_dtype(state).itemsize > dtype.itemsize:
-            reasons.append(f"ssm_state_dtype = {state} is wider than the run dtype {dtype}: the reference computes "
-                           "the recurrence in its run dtype (it has no mixed-precision scan)")
         if options.engine_args.get("gated_norm", "grouped") not in ("grouped", "full"):
             reasons.append(f"gated_norm: expected 'grouped' or 'full', got {options.engine_args['gated_norm']!r}")
         return reasons
 
     def _load(self) -> None:
+        state_dtype = self.options.ssm_state_dtype
+        state = parse_dtype(state_dtype) if state_dtype is not None else None
+        wider = state is not None and state.itemsize > self.dtype.itemsize
         self.model = BambaReference.from_pretrained(
             self.checkpoint, dtype=self.dtype, device=self.device,
             gated_norm=self.options.engine_args.get("gated_norm", "grouped"),
-            allow_long_context=self.options.allow_long_context)
-        state_dtype = self.options.ssm_state_dtype
-        self.ssm_state_dtype = parse_dtype(state_dtype) if state_dtype is not None else None
+            allow_long_context=self.options.allow_long_context,
+            scan_dtype=state if wider else None)                    # a wider state: the scan computes in it
+        self.ssm_state_dtype = None if wider else state               # a narrower one: rounded between steps
 
     def close(self) -> None:
         self.model = None

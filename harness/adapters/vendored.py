@@ -28,6 +28,7 @@ class VendoredEngine(Engine):
     default_dtype = torch.float32
     engine_arg_names = frozenset({"parallel_timeout_s"})
     has_scheduler = True
+    default_ssm_state_dtype = "float32"                 # vendored/engine: the state pool is fp32 unless told
     slow_on_cpu = True          # the Triton interpreter: the generic matrix runs it under `slow`; tests/engine do not
     # Called after every engine step (a progress bar's tick; harness/runner.py sets it); it sees nothing of the step.
     step_callback: Callable[[], None] | None = None

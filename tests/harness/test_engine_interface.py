@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from harness import adapters
+from harness import adapters, zoo
 from harness.adapters import EngineUnavailable, UnknownEngine, available_engines, get_engine
 from harness.engine import EngineInputError, EngineOptions, Request, UnsupportedOptions, check_requests, parse_dtype
 from reference.model import BambaReference
@@ -66,10 +66,27 @@ def test_staggered_arrivals_need_a_scheduler(g1_checkpoint):
             engine.run([Request("late", (1, 2), 1, arrival_step=3)])
 
 
-def test_wider_ssm_state_than_the_run_dtype_is_refused_by_the_reference():
-    reasons = get_engine("reference").unsupported(EngineOptions(ssm_state_dtype="float32"), dtype=torch.bfloat16,
-                                                  device="cpu")
-    assert reasons and "wider than the run dtype" in reasons[0]
+def test_a_wider_ssm_state_runs_the_references_scan_in_it(tmp_path):
+    """ssm_state_dtype float32 under bfloat16: the reference keeps its SSM state in float32 (the recurrence computes
+    in it, as engines run a 16-bit model): the state it carries holds values no bfloat16 can, and the logprobs differ
+    from the all-bfloat16 reference's (a zoo model: half its heads decay slowly, so the state carries the prompt)."""
+    checkpoint = zoo.write_checkpoint("attention-last-2-layers", tmp_path / "model")
+    prompt = tuple(int(t) for t in torch.randint(0, 97, (48,), generator=torch.Generator().manual_seed(1)))
+    request = Request("long", prompt, 4)
+    logprobs = {}
+    for state in (None, "float32"):
+        options = EngineOptions(ssm_state_dtype=state)
+        assert not get_engine("reference").unsupported(options, dtype=torch.bfloat16, device="cpu")
+        with get_engine("reference")(checkpoint, dtype=torch.bfloat16, options=options) as engine:
+            model = engine.model
+            assert model.scan_dtype == (torch.bfloat16 if state is None else torch.float32)
+            _, carried = model.forward(torch.tensor(prompt))
+            ssm = carried.ssm[0]
+            assert ssm.dtype == model.scan_dtype
+            if state is not None:
+                assert not torch.equal(ssm, ssm.to(torch.bfloat16).to(ssm.dtype)), "the state was rounded to bf16"
+            logprobs[state] = engine.run([request])[0].prompt_logprobs
+    assert not torch.equal(logprobs[None], logprobs["float32"])
 
 
 def test_options_are_validated():

@@ -1,0 +1,97 @@
+"""The excess test of harness/compare.py: a 16-bit candidate's mean error per position class against the noise floor
+(the reference's own error in that dtype). It must fail a systematic excess that the max budget lets through, name
+the class, leave small classes unjudged, and pass a candidate whose error is the noise floor's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.compare import (EXCESS_RATIO, MIN_CLASS_POSITIONS, Budget, NoiseFloor, compare_runs,
+                             position_classes)
+from harness.engine import EngineOptions, Request, result_from_logprobs
+from harness.runner import check_scenario
+from harness.scenarios import PromptSource, Scenario
+from harness.schedule import RequestShape
+
+V, T, N_NEW = 16, 60, 8
+
+
+def _rows(seed: int) -> tuple[torch.Tensor, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T - 1 + N_NEW, V, generator=gen, dtype=torch.float64)
+    logits[torch.arange(logits.shape[0]), torch.arange(logits.shape[0]) % V] += 6.0      # clear greedy choices
+    rows = torch.log_softmax(logits, dim=-1)
+    return rows, [int(rows[T - 1 + s].argmax()) for s in range(N_NEW)]
+
+
+def _judge(scale_by_position, *, min_positions=MIN_CLASS_POSITIONS, pieces=((0, T, False),)):
+    """One request; the noise floor's error at position p is e_p in [0.01, 0.1]; the candidate's logprob row at p
+    moves by scale_by_position(p) · e_p (alternating sign). The max budget is far above every delta."""
+    req = Request("r", tuple(t % V for t in range(1, T + 1)), N_NEW, top_k=3, full_distributions=True)
+    base, out = _rows(0)
+    errors = (0.01 + 0.09 * torch.rand(base.shape[0], generator=torch.Generator().manual_seed(1))).tolist()
+    cand = base.clone()
+    for row in range(base.shape[0]):
+        cand[row] += (-1) ** row * scale_by_position(row + 1) * errors[row]
+    decode = [(T - 1 + s, T + s, True) for s in range(N_NEW)]
+    classes = {"r": position_classes(T, N_NEW, list(pieces) + decode, chunk_size=8)}
+    noise = NoiseFloor("bfloat16", {"r": errors}, classes, min_positions=min_positions)
+    return compare_runs(scenario="synthetic", requests=[req], baseline=[result_from_logprobs(req, base, out)],
+                        candidate=[result_from_logprobs(req, cand, out)], budget=Budget(2.0, 0.0, 5.0), noise=noise)
+
+
+def test_classes_of_a_chunked_request():
+    pieces = [(0, 8, False), (8, 20, False), (20, 21, True), (21, 22, True)]
+    c = position_classes(20, 3, pieces, chunk_size=5)
+    assert c["all"] == set(range(1, 23)) and c["prompt"] == set(range(1, 20)) and c["decode"] == {20, 21, 22}
+    assert c["after-piece"] == {9, 10, 11, 12}
+    assert c["after-chunk"] == {6, 7, 8} | {14, 15, 16, 17} | {19, 20}
+
+
+def test_the_noise_floors_own_error_passes():
+    report = _judge(lambda p: 1.0)
+    assert report.passed, report.message()
+    table = report.meta["excess"]["classes"]
+    assert table["all"]["ratio"] == pytest.approx(1.0) and table["all"]["judged"]
+
+
+def test_an_error_twice_the_noise_floor_everywhere_fails_though_every_position_is_in_budget():
+    report = _judge(lambda p: 2.0)
+    assert report.max_delta < report.meta["budget"]
+    failed = {f.where for f in report.failures if f.what == "excess"}
+    assert {"all", "prompt"} <= failed
+    message = next(f for f in report.failures if f.where == "all").message()
+    assert "synthetic: positions all: mean |Δ|" in message and f"2.00× the bfloat16 reference's" in message
+    assert f"limit {EXCESS_RATIO:g}×" in message
+
+
+def test_an_excess_confined_to_positions_after_a_piece_boundary_is_named():
+    pieces = [(0, 20, False), (20, 40, False), (40, T, False)]
+    after = position_classes(T, N_NEW, pieces, chunk_size=8)["after-piece"]            # 8 of 67 positions
+    report = _judge(lambda p: 2.5 if p in after else 1.0, min_positions=len(after), pieces=pieces)
+    failed = {f.where for f in report.failures if f.what == "excess"}
+    assert "after-piece" in failed and "all" not in failed, report.message()
+
+
+def test_a_class_with_too_few_positions_is_reported_not_judged():
+    report = _judge(lambda p: 3.0 if p >= T else 1.0)        # decode: 8 positions
+    row = report.meta["excess"]["classes"]["decode"]
+    assert row["positions"] == N_NEW and not row["judged"] and row["ratio"] == pytest.approx(3.0)
+    assert "decode" not in {f.where for f in report.failures}
+
+
+def test_a_bf16_candidate_is_judged_against_its_noise_floor(g1_checkpoint, g1_oracle):
+    """End to end: the reference itself in bf16 as the candidate is its own noise floor (ratio 1 in every class);
+    an fp32 candidate gets no excess test."""
+    source = PromptSource(64, seed=0)
+    scenario = Scenario("chunked-17", "chunked_prefill", EngineOptions(max_num_batched_tokens=17),
+                        (RequestShape(40, 4), RequestShape(33, 4), RequestShape(50, 4)), "pieces of 17 tokens")
+    report = check_scenario("reference", scenario, oracle=g1_oracle, source=source, dtype="bfloat16")
+    assert report.passed, report.message()
+    table = report.meta["excess"]["classes"]
+    assert table["all"]["positions"] == (39 + 4) + (32 + 4) + (49 + 4) and table["all"]["judged"]
+    assert all(row["ratio"] == pytest.approx(1.0) for row in table.values() if row["positions"]), table
+    assert table["after-piece"]["positions"] > 0
+    fp32 = check_scenario("reference", scenario, oracle=g1_oracle, source=source, dtype="float32")
+    assert "excess" not in fp32.meta
