@@ -76,7 +76,7 @@ ATOL: dict[torch.dtype, float] = {
 # belong to its class (module docstring; measured in docs/scale.md).
 EXCESS_RATIO = 1.5
 MIN_CLASS_POSITIONS = 32
-BOUNDARY_WINDOW = 4
+BOUNDARY_WINDOW = 16
 POSITION_CLASSES = ("all", "prompt", "decode", "after-piece", "after-chunk")
 
 

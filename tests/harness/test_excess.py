@@ -35,7 +35,7 @@ def _judge(scale_by_position, *, min_positions=MIN_CLASS_POSITIONS, pieces=((0, 
     for row in range(base.shape[0]):
         cand[row] += (-1) ** row * scale_by_position(row + 1) * errors[row]
     decode = [(T - 1 + s, T + s, True) for s in range(N_NEW)]
-    classes = {"r": position_classes(T, N_NEW, list(pieces) + decode, chunk_size=8)}
+    classes = {"r": position_classes(T, N_NEW, list(pieces) + decode, chunk_size=8, window=4)}
     noise = NoiseFloor("bfloat16", {"r": errors}, classes, min_positions=min_positions)
     return compare_runs(scenario="synthetic", requests=[req], baseline=[result_from_logprobs(req, base, out)],
                         candidate=[result_from_logprobs(req, cand, out)], budget=Budget(2.0, 0.0, 5.0), noise=noise)
@@ -43,7 +43,7 @@ def _judge(scale_by_position, *, min_positions=MIN_CLASS_POSITIONS, pieces=((0, 
 
 def test_classes_of_a_chunked_request():
     pieces = [(0, 8, False), (8, 20, False), (20, 21, True), (21, 22, True)]
-    c = position_classes(20, 3, pieces, chunk_size=5)
+    c = position_classes(20, 3, pieces, chunk_size=5, window=4)
     assert c["all"] == set(range(1, 23)) and c["prompt"] == set(range(1, 20)) and c["decode"] == {20, 21, 22}
     assert c["after-piece"] == {9, 10, 11, 12}
     assert c["after-chunk"] == {6, 7, 8} | {14, 15, 16, 17} | {19, 20}
@@ -68,7 +68,7 @@ def test_an_error_twice_the_noise_floor_everywhere_fails_though_every_position_i
 
 def test_an_excess_confined_to_positions_after_a_piece_boundary_is_named():
     pieces = [(0, 20, False), (20, 40, False), (40, T, False)]
-    after = position_classes(T, N_NEW, pieces, chunk_size=8)["after-piece"]            # 8 of 67 positions
+    after = position_classes(T, N_NEW, pieces, chunk_size=8, window=4)["after-piece"]  # 8 of 67 positions
     report = _judge(lambda p: 2.5 if p in after else 1.0, min_positions=len(after), pieces=pieces)
     failed = {f.where for f in report.failures if f.what == "excess"}
     assert "after-piece" in failed and "all" not in failed, report.message()
