@@ -38,8 +38,8 @@ def test_the_baseline_is_the_other_engine_not_the_oracle(g1_oracle, g1_prompts):
 
 
 def test_a_baseline_that_cannot_run_the_scenario_skips_it_saying_so(g1_oracle, g1_prompts):
-    with pytest.raises(ScenarioSkipped, match=r"baseline reference: ssm_state_dtype = float32 is wider than the run"):
-        check_against("reference", SCENARIOS["ssm_state_dtype-float32"], against="reference",
+    with pytest.raises(ScenarioSkipped, match=r"baseline reference: gated_norm: expected 'grouped' or 'full'"):
+        check_against("reference", SCENARIOS["batching-alone"], against="reference", against_args={"gated_norm": "x"},
                       against_dtype=torch.bfloat16, oracle=g1_oracle, source=g1_prompts, dtype=torch.float32)
 
 
