@@ -50,3 +50,22 @@ def random_bamba_checkpoint(directory: Path, *, seed: int = 0, **overrides) -> P
     directory = Path(directory)
     model.save_pretrained(directory)
     return directory
+
+
+def unclamped_delta(monkeypatch, ref, tokens) -> torch.Tensor:
+    """Δ = softplus(dt + dt_bias) before the time_step_limit clamp, over every mamba layer, head and token of one
+    forward of the reference `ref` on `tokens` (the scan is wrapped for the call: monkeypatch undoes it)."""
+    import torch.nn.functional as F
+
+    import reference.model
+
+    seen = []
+    real_scan = reference.model.ssd_scan_ref
+
+    def spy(x, dt, *args, dt_bias, **kwargs):
+        seen.append(F.softplus(dt + dt_bias).flatten())
+        return real_scan(x, dt, *args, dt_bias=dt_bias, **kwargs)
+
+    monkeypatch.setattr(reference.model, "ssd_scan_ref", spy)
+    ref.forward(tokens)
+    return torch.cat(seen)

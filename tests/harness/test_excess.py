@@ -62,7 +62,7 @@ def test_an_error_twice_the_noise_floor_everywhere_fails_though_every_position_i
     failed = {f.where for f in report.failures if f.what == "excess"}
     assert {"all", "prompt"} <= failed
     message = next(f for f in report.failures if f.where == "all").message()
-    assert "synthetic: positions all: mean |Δ|" in message and f"2.00× the bfloat16 reference's" in message
+    assert "synthetic: positions all: mean |Δ|" in message and "2.00× the bfloat16 reference's" in message
     assert f"limit {EXCESS_RATIO:g}×" in message
 
 

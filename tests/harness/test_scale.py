@@ -8,12 +8,11 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import reference.model
 from harness import cli, scale
 from reference.checkpoint import expected_shapes, load_checkpoint
 from reference.model import BambaReference
+from tests.helpers import unclamped_delta
 from vendored.engine.weights import read_tensors
 
 SHRUNK = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -68,16 +67,7 @@ def test_both_time_step_bounds_clamp_a_real_share_of_delta(tmp_path, monkeypatch
     projection is scaled by 1/√fan_in), so the shrunk model measures what the real one does."""
     path = scale.write_checkpoint("bamba9b-4layer", tmp_path / "m", progress=False, **SHRUNK)
     ref = BambaReference.from_pretrained(path, dtype=torch.float32)
-    seen = []
-    real_scan = reference.model.ssd_scan_ref
-
-    def spy(x, dt, *args, dt_bias, **kwargs):
-        seen.append(F.softplus(dt + dt_bias).flatten())
-        return real_scan(x, dt, *args, dt_bias=dt_bias, **kwargs)
-
-    monkeypatch.setattr(reference.model, "ssd_scan_ref", spy)
-    ref.forward(torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(0)))
-    delta = torch.cat(seen)
+    delta = unclamped_delta(monkeypatch, ref, torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(0)))
     lo, hi = ref.cfg.time_step_limit
     below, above = float((delta < lo).float().mean()), float((delta > hi).float().mean())
     print(f"Δ below {lo}: {below:.3f}, above {hi}: {above:.3f}")

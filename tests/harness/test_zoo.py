@@ -4,12 +4,11 @@ fields they vary really act (both time-step bounds clamp a real share of Δ, the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
-import reference.model
 from harness import zoo
 from reference.model import BambaReference
+from tests.helpers import unclamped_delta
 
 
 def test_an_entry_is_the_same_bytes_every_time(tmp_path):
@@ -38,16 +37,7 @@ def test_both_time_step_bounds_clamp_a_real_share_of_delta(tmp_path, monkeypatch
     changes those Δ)."""
     name = "dt-limit-both-bounds"
     ref = BambaReference.from_pretrained(zoo.write_checkpoint(name, tmp_path))
-    seen = []
-    real_scan = reference.model.ssd_scan_ref
-
-    def spy(x, dt, *args, dt_bias, **kwargs):
-        seen.append(F.softplus(dt + dt_bias).flatten())
-        return real_scan(x, dt, *args, dt_bias=dt_bias, **kwargs)
-
-    monkeypatch.setattr(reference.model, "ssd_scan_ref", spy)
-    ref.forward(zoo.prompt_source(name).tokens(40, 0))
-    delta = torch.cat(seen)
+    delta = unclamped_delta(monkeypatch, ref, zoo.prompt_source(name).tokens(40, 0))
     lo, hi = ref.cfg.time_step_limit
     assert (delta < lo).float().mean() >= 0.1 and (delta > hi).float().mean() >= 0.1, (
         f"share below {lo}: {(delta < lo).float().mean():.2f}, above {hi}: {(delta > hi).float().mean():.2f}")
