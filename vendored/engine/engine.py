@@ -185,9 +185,9 @@ class LLMEngine:
             batch, rows = self._build_batch(pieces)
             logits = self.model.forward(batch, self.states, self.kv)
         self.steps += 1
+        self._record(pieces, rows, logits)
         done = []
-        for piece, (first_row, count) in zip(pieces, rows):
-            self._record(piece, logits[first_row:first_row + count])
+        for piece in pieces:
             piece.seq.num_computed += piece.length
             if piece.seq.finished:
                 self.total_preemptions += piece.seq.preemptions
@@ -238,22 +238,56 @@ class LLMEngine:
             return seq.prompt_logprobs[nxt - 1] is None
         return nxt == seq.num_tokens and len(seq.output_ids) < seq.max_new_tokens
 
-    def _record(self, piece: Piece, logits: torch.Tensor) -> None:
-        seq = piece.seq
-        wanted = [p for p in range(piece.start, piece.start + piece.length) if self._wants_logits(seq, p)]
+    def _record(self, pieces: list[Piece], rows: list[tuple[int, int]], logits: torch.Tensor) -> None:
+        """What a step returns, for every piece at once: one log-softmax over the step's logit rows, one gather of
+        the prompt logprobs, one top-k over the rows that choose a next token, and one transfer to the host of what
+        the sequences keep (no per-row device reads). rows[i] = (first logit row, count) of pieces[i]."""
+        prompt_rows, prompt_targets, prompt_slots = [], [], []        # row, token it predicts, (seq, index)
+        choice_rows, choosers, kept = [], [], []
+        for piece, (first_row, count) in zip(pieces, rows):
+            seq = piece.seq
+            wanted = [p for p in range(piece.start, piece.start + piece.length) if self._wants_logits(seq, p)]
+            if len(wanted) != count:
+                raise EngineError(f"request {seq.request_id}: {count} logit rows for {len(wanted)} wanted positions")
+            for row, pos in enumerate(wanted, start=first_row):
+                if seq.keep_rows:
+                    kept.append((seq, pos, row))
+                if pos + 1 < len(seq.prompt):
+                    prompt_rows.append(row)
+                    prompt_targets.append(seq.prompt[pos + 1])
+                    prompt_slots.append((seq, pos))
+                else:
+                    choice_rows.append(row)
+                    choosers.append(seq)
+        if not (prompt_rows or choice_rows):
+            return
         logprobs = torch.log_softmax(logits, dim=-1)                                       # (rows, V)
-        for row, pos in enumerate(wanted):
-            if seq.keep_rows:
-                seq.rows[pos] = logprobs[row].cpu()
-            nxt = pos + 1
-            if nxt < len(seq.prompt):
-                seq.prompt_logprobs[nxt - 1] = float(logprobs[row, seq.prompt[nxt]])
-            else:
-                top = torch.topk(logprobs[row], max(1, seq.top_k))
-                token = int(top.indices[0])                     # greedy; topk breaks ties by lowest index
-                seq.output_ids.append(token)
-                seq.output_logprobs.append(float(top.values[0]))
-                seq.output_top.append([(int(t), float(v)) for t, v in zip(top.indices, top.values)][:seq.top_k])
+        device = logprobs.device
+        parts = []
+        if prompt_rows:
+            index = torch.tensor(prompt_rows, dtype=torch.long, device=device)
+            target = torch.tensor(prompt_targets, dtype=torch.long, device=device)
+            parts.append(logprobs[index, target].double())                                 # (n_prompt,)
+        if choice_rows:
+            k = max(max(1, seq.top_k) for seq in choosers)
+            top = torch.topk(logprobs[torch.tensor(choice_rows, dtype=torch.long, device=device)], k)  # (n, k)
+            parts += [top.values.double().reshape(-1), top.indices.double().reshape(-1)]
+        host = torch.cat(parts).cpu()                                  # one transfer (fp64: ids and values exact)
+        kept_rows = (logprobs[torch.tensor([r for _, _, r in kept], dtype=torch.long, device=device)].cpu()
+                     if kept else None)
+        for (seq, pos), value in zip(prompt_slots, host[:len(prompt_rows)].tolist()):
+            seq.prompt_logprobs[pos] = value
+        if choice_rows:
+            n = len(choice_rows)
+            flat = host[len(prompt_rows):]
+            values = flat[:n * k].reshape(n, k).tolist()
+            indices = flat[n * k:].reshape(n, k).long().tolist()
+            for seq, vals, ids in zip(choosers, values, indices):
+                seq.output_ids.append(ids[0])                           # greedy; topk breaks ties by lowest index
+                seq.output_logprobs.append(vals[0])
+                seq.output_top.append(list(zip(ids, vals))[:seq.top_k])
+        for i, (seq, pos, _) in enumerate(kept):
+            seq.rows[pos] = kept_rows[i]
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
