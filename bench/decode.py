@@ -11,6 +11,11 @@ Bamba-9B widths: D 4096, H 128 × P 64, N 128, G 1, Hq 32 / Hkv 8 × Dh 128, MLP
     python -m bench.decode                           # on CUDA: both models, batches 1, 8, 64, bf16
     python -m bench.decode --models tiny --batch-sizes 1,8 --steps 4     # a CPU smoke run (no capture there)
 
+The bound beside each row: a decode step must read every weight once (the embedding only for its `batch` rows),
+so at the device's copy rate (bytes read + written per second of a 1 GiB device-to-device copy, measured in the same
+run, as bench/kernels.py defines it) it takes at least weight bytes / copy rate; "of bound" is that time over the
+measured forward. K/V cache and SSM state reads come on top (a few MB at these lengths) and are left out.
+
 Writes decode.json, decode.md and decode.png (when matplotlib is there) to --out (default out/bench).
 On a CPU nothing is captured: "graphs on" is the same padded step run eagerly, so the numbers only show its cost.
 """
@@ -90,13 +95,47 @@ def write_random_slice(directory: Path, config: dict, *, device: str, seed: int 
     return directory
 
 
+def copy_rate(device: torch.device, n_bytes: int | None = None, repeats: int = 10) -> float:
+    """Bytes moved (read + written) per second by the best of `repeats` copies of an n_bytes device buffer."""
+    n_bytes = n_bytes or (1 << 30 if device.type == "cuda" else 1 << 26)
+    src = torch.ones(n_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n_bytes / best
+
+
+def weight_bytes_per_step(checkpoint: Path, dtype: torch.dtype, batch: int) -> int:
+    """The bytes of weights one decode step of `batch` rows reads: every tensor in `dtype` (the SSM scalars A_log,
+    D and dt_bias at most in fp32 too), the embedding only for its `batch` rows unless it is also the head."""
+    from reference.checkpoint import expected_shapes
+    from reference.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(json.loads((Path(checkpoint) / "config.json").read_text()))
+    total = 0
+    for key, shape in expected_shapes(cfg).items():
+        count = math.prod(shape)
+        if key == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
+            count = batch * cfg.hidden_size
+        total += count * dtype.itemsize
+    return total
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: str, device: str) -> dict:
-    """Tokens/s of `steps` decode steps at this batch size (engine and forward alone)."""
+def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: str, device: str,
+            rate: float | None = None) -> dict:
+    """Tokens/s of `steps` decode steps at this batch size (engine and forward alone), and the weight-read bound
+    at copy rate `rate` (bytes/s) where given."""
     from vendored.engine import LLMEngine          # after prepare_environment: the interpreter where no CUDA
 
     engine = LLMEngine(checkpoint, dtype=dtype, device=device, max_num_seqs=batch,
@@ -131,21 +170,28 @@ def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: st
         forward()
     _sync(dev)
     forward_s = time.perf_counter() - start
-    return dict(batch=batch, cuda_graphs=graphs, captured=bool(graphs and engine.graphs.replays),
-                steps=steps, engine_step_ms=1e3 * engine_s / steps, engine_tokens_per_s=batch * steps / engine_s,
-                forward_ms=1e3 * forward_s / steps, forward_tokens_per_s=batch * steps / forward_s)
+    row = dict(batch=batch, cuda_graphs=graphs, captured=bool(graphs and engine.graphs.replays),
+               steps=steps, engine_step_ms=1e3 * engine_s / steps, engine_tokens_per_s=batch * steps / engine_s,
+               forward_ms=1e3 * forward_s / steps, forward_tokens_per_s=batch * steps / forward_s)
+    if rate:
+        n_bytes = weight_bytes_per_step(checkpoint, engine.dtype, batch)
+        row.update(weight_bytes=n_bytes, bound_ms=1e3 * n_bytes / rate)
+        row["forward_of_bound"] = row["bound_ms"] / row["forward_ms"]
+    return row
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | batch | graphs | engine tok/s | forward tok/s | forward ms/step | forward speed-up |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | batch | graphs | engine tok/s | forward tok/s | forward ms/step | forward speed-up | "
+             "bound ms/step | forward of bound |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     off = {(r["model"], r["batch"]): r for r in rows if not r["cuda_graphs"]}
     for r in rows:
         base = off.get((r["model"], r["batch"]))
         gain = f"{base['forward_ms'] / r['forward_ms']:.2f}×" if r["cuda_graphs"] and base else ""
         mode = ("on" if r["captured"] else "on (eager, no CUDA)") if r["cuda_graphs"] else "off"
+        bound = (f"{r['bound_ms']:.3f} | {r['forward_of_bound']:.0%}" if "bound_ms" in r else " | ")
         lines.append(f"| {r['model']} | {r['batch']} | {mode} | {r['engine_tokens_per_s']:.4g} | "
-                     f"{r['forward_tokens_per_s']:.4g} | {r['forward_ms']:.3f} | {gain} |")
+                     f"{r['forward_tokens_per_s']:.4g} | {r['forward_ms']:.3f} | {gain} | {bound} |")
     return "\n".join(lines) + "\n"
 
 
@@ -195,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    rate = copy_rate(torch.device(args.device))
     with tempfile.TemporaryDirectory() as scratch:
         checkpoints = {"tiny": TINY}
         if "bamba9b-2layer" in models:
@@ -203,16 +250,16 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(m, b, g) for m in models for b in batches for g in (False, True)]
         for model, batch, graphs in tqdm(runs, desc="decode bench"):
             row = measure(checkpoints[model], batch=batch, graphs=graphs, steps=args.steps, dtype=dtype,
-                          device=args.device)
+                          device=args.device, rate=rate)
             rows.append(dict(model=model, device=args.device, dtype=dtype, **row))
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     meta = dict(torch=torch.__version__, device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                prompt_tokens=PROMPT_TOKENS, warmup_steps=WARMUP_STEPS)
+                prompt_tokens=PROMPT_TOKENS, warmup_steps=WARMUP_STEPS, copy_rate_bytes_per_s=rate)
     (out / "decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(rows)
-    (out / "decode.md").write_text(f"Decode throughput ({meta['device_name']}, {dtype}, torch {meta['torch']})\n\n"
-                                   + table)
+    (out / "decode.md").write_text(f"Decode throughput ({meta['device_name']}, {dtype}, torch {meta['torch']}; copy "
+                                   f"rate {rate / 1e12:.3g} TB/s)\n\n" + table)
     plotted = plot(rows, out / "decode.png")
     print(table)
     print(f"wrote {out / 'decode.json'}, {out / 'decode.md'}" + (f", {out / 'decode.png'}" if plotted else ""))

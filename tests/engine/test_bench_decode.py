@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from bench.decode import BAMBA_9B_SLICE, markdown, write_random_slice
+import math
+
+import torch
+
+from bench.decode import BAMBA_9B_SLICE, copy_rate, markdown, weight_bytes_per_step, write_random_slice
 from vendored.engine.weights import load
 
 
@@ -20,4 +24,20 @@ def test_markdown_gives_the_graph_speedup_against_the_same_batch():
                  forward_tokens_per_s=200.0, forward_ms=4.0),
             dict(model="m", batch=8, cuda_graphs=True, captured=True, engine_tokens_per_s=150.0,
                  forward_tokens_per_s=800.0, forward_ms=1.0)]
-    assert markdown(rows).splitlines()[-1] == "| m | 8 | on | 150 | 800 | 1.000 | 4.00× |"
+    assert markdown(rows).splitlines()[-1] == "| m | 8 | on | 150 | 800 | 1.000 | 4.00× |  |  |"
+    rows[1].update(bound_ms=0.5, forward_of_bound=0.5)
+    assert markdown(rows).splitlines()[-1] == "| m | 8 | on | 150 | 800 | 1.000 | 4.00× | 0.500 | 50% |"
+
+
+def test_the_bound_counts_every_weight_once_and_the_embedding_by_rows(tmp_path):
+    small = {**BAMBA_9B_SLICE, "vocab_size": 96, "hidden_size": 64, "intermediate_size": 80, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 8,
+             "mamba_chunk_size": 16}
+    path = write_random_slice(tmp_path / "slice", small, device="cpu")
+    cfg, tensors = load(path)
+    everything = sum(t.numel() for t in tensors.values())
+    embed = tensors["model.embed_tokens.weight"].numel()
+    assert weight_bytes_per_step(path, torch.bfloat16, 3) == 2 * (everything - embed + 3 * 64)
+    assert weight_bytes_per_step(path, torch.float32, 3) == 4 * (everything - embed + 3 * 64)
+    rate = copy_rate(torch.device("cpu"), n_bytes=1 << 20, repeats=3)
+    assert math.isfinite(rate) and rate > 1e8
