@@ -4,7 +4,8 @@ PYTHON_BOOT ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# 2 workers match CI's 2 cores; override with `make test XDIST=auto`.
+# 2 workers match CI's 2 cores; override with `make test XDIST=auto`. make test lists its 20 slowest tests: its
+# budget is 20 minutes on CI's 2 cores.
 XDIST ?= 2
 PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
@@ -42,7 +43,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PYTEST_CPU) -m "not gpu and not slow" tests
+	$(PYTEST_CPU) --durations=20 -m "not gpu and not slow" tests
 
 test-slow: $(STAMP)
 	$(PYTEST_CPU) -m "slow and not gpu and not zoo_full" tests
