@@ -17,7 +17,9 @@ false-failure rate on the same workload (`make mutants-scale`, on a CUDA machine
 Outcomes per dtype: killed (some scenario FAILED or the engine raised: which, and by which check: "logprob" (the
 max budget), "token", "excess" (the noise-floor test), "shape", "error"), survived (with its largest max |Δ| /
 budget and largest excess ratio beside the clean runs' largest, the noise floor).
-Writes report.json, table.md and power.png to --out; exit status 0 only if every clean run passed.
+Writes report.json, table.md and power.png to --out; exit status 0 only if every clean run passed. With --resume
+the complete results already in --out are kept, so a measurement longer than one session's GPU call can be carried
+from call to call (its --out copied back and forth) and finished.
 The worker mode (--worker) is what runs inside each tree.
 """
 
@@ -244,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
     parser.add_argument("--out", default="out/mutants-scale")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep --out's results: runs (clean seeds, mutants) whose results are complete there and "
+                             "the oracle cache are reused, so a long measurement can span several calls")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -272,14 +277,26 @@ def main(argv: list[str] | None = None) -> int:
     judged = [m for m in chosen if m.name not in skipped]
 
     cache = out / "oracle-cache.pt"
-    for stale in [*out.glob("*.jsonl"), *out.glob("*.log")]:
-        stale.unlink()
     n_scen = len(args.scenarios.split(","))
+    runs_per_tree = n_scen * len(dtypes)
+
+    def complete(results: Path) -> bool:
+        return args.resume and len(_read(results)) == runs_per_tree
+
+    if not args.resume:
+        for stale in [*out.glob("*.jsonl"), *out.glob("*.log"), cache]:
+            stale.unlink(missing_ok=True)
+    for partial in out.glob("*.jsonl"):                     # a run cut short starts again
+        if not complete(partial):
+            partial.unlink()
     print(f"clean runs: {args.clean_seeds} seeds × {n_scen} scenarios × {len(dtypes)} dtypes; seed 0 first (its "
           f"oracle results are every mutant's)", flush=True)
-    status = _run_worker(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", checkpoint=checkpoint,
-                         scenarios=args.scenarios, dtypes=args.dtypes, seeds=1, device=args.device, cache=None,
-                         save_cache=cache, timeout=args.timeout)
+    status = 0
+    if not (complete(out / "clean-seed0.jsonl") and cache.is_file()):
+        (out / "clean-seed0.jsonl").unlink(missing_ok=True)
+        status = _run_worker(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", checkpoint=checkpoint,
+                             scenarios=args.scenarios, dtypes=args.dtypes, seeds=1, device=args.device, cache=None,
+                             save_cache=cache, timeout=args.timeout)
     if status != 0 or not cache.is_file():
         print(f"the clean run of seed 0 ended with status {status}: see {out / 'clean-seed0.log'}", file=sys.stderr)
     seed0 = _read(out / "clean-seed0.jsonl")
@@ -287,16 +304,20 @@ def main(argv: list[str] | None = None) -> int:
     summaries, statuses = [], [status]
 
     def clean_seed(seed):
+        if complete(out / f"clean-seed{seed}.jsonl"):
+            return
         statuses.append(_run_worker(ROOT, out / f"clean-seed{seed}.jsonl", out / f"clean-seed{seed}.log",
                                     checkpoint=checkpoint, scenarios=args.scenarios, dtypes=args.dtypes, seeds=1,
                                     seed_start=seed, device=args.device, cache=None, save_cache=None,
                                     timeout=args.timeout))
 
     def one(mutant):
+        results = out / f"mutant-{mutant.name}.jsonl"
+        if complete(results):
+            return summarise(mutant.name, _read(results), seed0, dtypes)
         tree = scratch / mutant.name
         copy_tree(ROOT, tree)
         mutant.apply(tree)
-        results = out / f"mutant-{mutant.name}.jsonl"
         _run_worker(tree, results, out / f"mutant-{mutant.name}.log", checkpoint=checkpoint,
                     scenarios=args.scenarios, dtypes=args.dtypes, seeds=1, device=args.device,
                     cache=cache if cache.is_file() else None, save_cache=None, timeout=args.timeout)
