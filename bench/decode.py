@@ -15,6 +15,8 @@ The bound beside each row: a decode step must read every weight once (the embedd
 so at the device's copy rate (bytes read + written per second of a 1 GiB device-to-device copy, measured in the same
 run, as bench/kernels.py defines it) it takes at least weight bytes / copy rate; "of bound" is that time over the
 measured forward. K/V cache and SSM state reads come on top (a few MB at these lengths) and are left out.
+The anchor (unless --no-transformers): transformers' `generate` on the same model, prompts and batch sizes in the
+same process, with the engine's best tokens/s over it.
 
 Writes decode.json, decode.md and decode.png (when matplotlib is there) to --out (default out/bench).
 On a CPU nothing is captured: "graphs on" is the same padded step run eagerly, so the numbers only show its cost.
@@ -180,6 +182,40 @@ def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: st
     return row
 
 
+def measure_transformers(checkpoint: Path, *, batch: int, steps: int, dtype: str, device: str) -> dict:
+    """The user's alternative on the same model, same prompts: transformers' `generate` (greedy, its cache, its
+    PyTorch path) for `steps` new tokens after a warm-up call; tokens/s over the decode part (the time of a one-token
+    generate, which is the prefill, is subtracted). Out of memory is recorded, not raised."""
+    from transformers import BambaForCausalLM
+
+    dev = torch.device(device)
+    try:
+        model = BambaForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(dev).eval()
+        vocab = model.config.vocab_size
+        prompts = torch.tensor([[(7 * i + 3 * t + 1) % vocab for t in range(PROMPT_TOKENS)] for i in range(batch)],
+                               device=dev)                                                   # (batch, T)
+        kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompts))
+
+        def run(new_tokens: int) -> float:
+            _sync(dev)
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+            _sync(dev)
+            return time.perf_counter() - start
+
+        run(2)                                                                               # warm-up
+        prefill_s, total_s = run(1), run(steps + 1)
+        decode_s = max(total_s - prefill_s, 1e-9)
+        return dict(batch=batch, steps=steps, hf_step_ms=1e3 * decode_s / steps,
+                    hf_tokens_per_s=batch * steps / decode_s)
+    except torch.OutOfMemoryError as err:
+        return dict(batch=batch, steps=steps, hf_error=f"out of memory: {str(err).splitlines()[0][:120]}")
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | batch | graphs | engine tok/s | forward tok/s | forward ms/step | forward speed-up | "
              "bound ms/step | forward of bound |",
@@ -192,6 +228,20 @@ def markdown(rows: list[dict]) -> str:
         bound = (f"{r['bound_ms']:.3f} | {r['forward_of_bound']:.0%}" if "bound_ms" in r else " | ")
         lines.append(f"| {r['model']} | {r['batch']} | {mode} | {r['engine_tokens_per_s']:.4g} | "
                      f"{r['forward_tokens_per_s']:.4g} | {r['forward_ms']:.3f} | {gain} | {bound} |")
+    return "\n".join(lines) + "\n"
+
+
+def anchor_markdown(rows: list[dict], anchors: list[dict]) -> str:
+    """transformers' generate beside the engine's best tokens/s (graphs on or off) on the same model and batch."""
+    lines = ["| model | batch | transformers tok/s | engine tok/s | engine / transformers |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for a in anchors:
+        mine = [r["engine_tokens_per_s"] for r in rows if (r["model"], r["batch"]) == (a["model"], a["batch"])]
+        engine = max(mine) if mine else None
+        theirs = a.get("hf_tokens_per_s")
+        cells = [a.get("hf_error") or f"{theirs:.4g}", f"{engine:.4g}" if engine else "",
+                 f"{engine / theirs:.3g}×" if engine and theirs else ""]
+        lines.append(f"| {a['model']} | {a['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -231,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default="out/bench")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="leave out the anchor: transformers' generate on the same model and batches")
     args = parser.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -254,10 +306,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(model=model, device=args.device, dtype=dtype, **row))
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+        anchors = []
+        if not args.no_transformers:
+            for model, batch in tqdm([(m, b) for m in models for b in batches], desc="transformers anchor"):
+                anchors.append(dict(model=model, **measure_transformers(checkpoints[model], batch=batch,
+                                                                        steps=args.steps, dtype=dtype,
+                                                                        device=args.device)))
     meta = dict(torch=torch.__version__, device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 prompt_tokens=PROMPT_TOKENS, warmup_steps=WARMUP_STEPS, copy_rate_bytes_per_s=rate)
-    (out / "decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    (out / "decode.json").write_text(json.dumps(dict(meta=meta, rows=rows, transformers=anchors), indent=1))
     table = markdown(rows)
+    if anchors:
+        table += "\ntransformers' generate on the same model, prompts and batch, in the same process:\n\n"
+        table += anchor_markdown(rows, anchors)
     (out / "decode.md").write_text(f"Decode throughput ({meta['device_name']}, {dtype}, torch {meta['torch']}; copy "
                                    f"rate {rate / 1e12:.3g} TB/s)\n\n" + table)
     plotted = plot(rows, out / "decode.png")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from bench.decode import BAMBA_9B_SLICE, copy_rate, markdown, weight_bytes_per_step, write_random_slice
+from bench.decode import BAMBA_9B_SLICE, anchor_markdown, copy_rate, markdown, weight_bytes_per_step, write_random_slice
 from vendored.engine.weights import load
 
 
@@ -41,3 +41,11 @@ def test_the_bound_counts_every_weight_once_and_the_embedding_by_rows(tmp_path):
     assert weight_bytes_per_step(path, torch.float32, 3) == 4 * (everything - embed + 3 * 64)
     rate = copy_rate(torch.device("cpu"), n_bytes=1 << 20, repeats=3)
     assert math.isfinite(rate) and rate > 1e8
+
+
+def test_the_transformers_anchor_is_set_beside_the_engines_best():
+    rows = [dict(model="m", batch=8, engine_tokens_per_s=100.0), dict(model="m", batch=8, engine_tokens_per_s=300.0)]
+    anchors = [dict(model="m", batch=8, hf_tokens_per_s=20.0), dict(model="m", batch=64, hf_error="out of memory: x")]
+    lines = anchor_markdown(rows, anchors).splitlines()
+    assert lines[2] == "| m | 8 | 20 | 300 | 15× |"
+    assert lines[3] == "| m | 64 | out of memory: x |  |  |"
