@@ -19,7 +19,8 @@ from harness.scenarios import PromptSource, build_scenarios
 from mutants.scale import DEFAULT_SCENARIOS
 from reference.config import ModelConfig
 
-pytestmark = [pytest.mark.gpu,
+# The 2-layer slice's fp64 oracle alone takes 16 GB: under make test-gpu's workers these tests share one worker.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("real-width"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="real-width models need a CUDA device")]
 
 
