@@ -59,7 +59,7 @@ class Oracle:
         self.gated_norm = gated_norm
         self._engines: dict[tuple, ReferenceEngine] = {}
         self._results: dict[tuple, RequestResult] = {}
-        self._errors: dict[tuple, float] = {}
+        self._errors: dict[tuple, list[float]] = {}
 
     def engine(self, dtype: torch.dtype = torch.float64, ssm_state_dtype: str | None = None) -> ReferenceEngine:
         """The reference in `dtype`, ORACLE_STEP_TOKENS per step. With an SSM state dtype narrower than `dtype` it
@@ -93,30 +93,28 @@ class Oracle:
             ssm_state_dtype = None            # the budget is calibrated on the run dtype's error alone
         if dtype == torch.float64 and ssm_state_dtype is None:
             return Budget(k, atol)
+        rows = self._error_rows(requests, dtype, ssm_state_dtype)
+        maxima = [max(r) if r else float("nan") for r in rows]
+        return Budget(k, atol, max((m for m in maxima if not math.isnan(m)), default=0.0))
+
+    def _error_rows(self, requests: Sequence[Request], dtype: torch.dtype,
+                    ssm_state_dtype: str | None) -> list[list[float]]:
+        """Per request, |ref_d − ref_fp64| at every position (row i: position i+1): the reference in `dtype` with
+        its SSM state in `ssm_state_dtype`, teacher-forced on the oracle's continuations; each run once, memoised
+        (the budget takes its maximum, the excess test all of it)."""
         base = self.results(requests)
         config = (dtype, ssm_state_dtype)
         missing = [(r, b) for r, b in zip(requests, base) if (config, _key(r)) not in self._errors]
         if missing:
             forced = [r.teacher_forced(b.output_ids) for r, b in missing]
-            low = self.engine(dtype, ssm_state_dtype).run(forced)
-            for (req, b), result in zip(missing, low):
-                diff = (result.prompt_logprobs - b.sequence_logprobs()).abs()
-                self._errors[config, _key(req)] = float(diff.max()) if diff.numel() else float("nan")
-        maxima = [self._errors[config, _key(r)] for r in requests]
-        return Budget(k, atol, max((m for m in maxima if not math.isnan(m)), default=0.0))
+            for (req, b), result in zip(missing, self.engine(dtype, ssm_state_dtype).run(forced)):
+                self._errors[config, _key(req)] = (result.prompt_logprobs - b.sequence_logprobs()).abs().tolist()
+        return [self._errors[config, _key(r)] for r in requests]
 
     def position_errors(self, requests: Sequence[Request], dtype: torch.dtype,
                         ssm_state_dtype: str | None = None) -> dict[str, list[float]]:
-        """|ref_d − ref_fp64| at every position of every request (row i: position i+1), the reference in `dtype`
-        with its SSM state in `ssm_state_dtype`, teacher-forced on the oracle's continuations."""
-        base = self.results(requests)
-        config = ("rows", dtype, ssm_state_dtype)
-        missing = [(r, b) for r, b in zip(requests, base) if (config, _key(r)) not in self._errors]
-        if missing:
-            forced = [r.teacher_forced(b.output_ids) for r, b in missing]
-            for (req, b), result in zip(missing, self.engine(dtype, ssm_state_dtype).run(forced)):
-                self._errors[config, _key(req)] = (result.prompt_logprobs - b.sequence_logprobs()).abs().tolist()
-        return {r.request_id: self._errors[config, _key(r)] for r in requests}
+        """_error_rows by request id."""
+        return {r.request_id: rows for r, rows in zip(requests, self._error_rows(requests, dtype, ssm_state_dtype))}
 
     def noise_floor(self, requests: Sequence[Request], dtype: torch.dtype, options: EngineOptions,
                     *, atol: float = 0.0, engine_state_dtype: str | None = None) -> NoiseFloor:
