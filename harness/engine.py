@@ -106,29 +106,58 @@ def result_from_logprobs(request: Request, logprobs: torch.Tensor, output_ids: S
     """Build a RequestResult from an engine's log-softmax rows.
 
     logprobs (T-1+n, V): row i predicts the token at position i+1 (prompt tokens 1..T-1, then the n outputs).
+    The gather and the top-k run where the rows are (a GPU's rows of a 128K vocabulary stay there); only what the
+    result holds comes to the host, in float64 (exact for float32 and 16-bit rows), the whole rows only when the
+    request asked for full distributions.
     """
     n_prompt = len(request.prompt) - 1
     output_ids = [int(t) for t in output_ids]
-    rows = logprobs.detach().to(device="cpu", dtype=torch.float64)                  # (T-1+n, V)
+    rows = logprobs.detach()                                                        # (T-1+n, V)
+    if rows.device.type == "cpu":
+        rows = rows.double()
     if rows.shape[0] != n_prompt + len(output_ids):
         raise ValueError(f"request {request.request_id!r}: {rows.shape[0]} logprob rows, expected "
                          f"{n_prompt} prompt + {len(output_ids)} output rows")
-    targets = torch.tensor(list(request.prompt[1:]) + output_ids, dtype=torch.long)  # (T-1+n,)
-    chosen = rows.gather(1, targets[:, None])[:, 0]
+    host = dict(device="cpu", dtype=torch.float64)
+    targets = torch.tensor(list(request.prompt[1:]) + output_ids, dtype=torch.long, device=rows.device)
+    chosen = rows.gather(1, targets[:, None])[:, 0].to(**host)
     top = rows.topk(min(request.top_k, rows.shape[1]), dim=-1)
-    full = request.full_distributions
+    top_ids, top_values = top.indices.cpu(), top.values.to(**host)
+    dists = rows.to(**host) if request.full_distributions else None
     return RequestResult(
         request_id=request.request_id,
         prompt_logprobs=chosen[:n_prompt],
-        prompt_top_ids=top.indices[:n_prompt],
-        prompt_top_logprobs=top.values[:n_prompt],
+        prompt_top_ids=top_ids[:n_prompt],
+        prompt_top_logprobs=top_values[:n_prompt],
         output_ids=output_ids,
         output_logprobs=chosen[n_prompt:],
-        output_top_ids=top.indices[n_prompt:],
-        output_top_logprobs=top.values[n_prompt:],
-        prompt_dists=rows[:n_prompt] if full else None,
-        output_dists=rows[n_prompt:] if full else None,
+        output_top_ids=top_ids[n_prompt:],
+        output_top_logprobs=top_values[n_prompt:],
+        prompt_dists=dists[:n_prompt] if dists is not None else None,
+        output_dists=dists[n_prompt:] if dists is not None else None,
     )
+
+
+def result_from_top(request: Request, chosen: Sequence[float], top: Sequence[Sequence[tuple[int, float]]],
+                    output_ids: Sequence[int]) -> RequestResult:
+    """Build a RequestResult from per-position lists: chosen[i] the logprob of the token at position i+1 (prompt
+    tokens 1..T-1, then the n outputs), top[i] its (token, logprob) alternatives, most likely first, at least
+    request.top_k of them. ValueError when the lengths disagree."""
+    n_prompt, k = len(request.prompt) - 1, request.top_k
+    output_ids = [int(t) for t in output_ids]
+    n_rows = n_prompt + len(output_ids)
+    if len(chosen) != n_rows or len(top) != n_rows:
+        raise ValueError(f"request {request.request_id!r}: {len(chosen)} logprobs and {len(top)} top-k lists, "
+                         f"expected {n_prompt} prompt + {len(output_ids)} output positions")
+    short = [i for i, entry in enumerate(top) if len(entry) < k]
+    if short:
+        raise ValueError(f"request {request.request_id!r}: {len(top[short[0]])} alternatives at position "
+                         f"{short[0] + 1}, expected top_k = {k}")
+    chosen_t = torch.tensor([float(x) for x in chosen], dtype=torch.float64)
+    ids = torch.tensor([[int(t) for t, _ in entry[:k]] for entry in top], dtype=torch.long).reshape(n_rows, k)
+    values = torch.tensor([[float(v) for _, v in entry[:k]] for entry in top], dtype=torch.float64).reshape(n_rows, k)
+    return RequestResult(request.request_id, chosen_t[:n_prompt], ids[:n_prompt], values[:n_prompt], output_ids,
+                         chosen_t[n_prompt:], ids[n_prompt:], values[n_prompt:])
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

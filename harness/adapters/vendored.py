@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..engine import (Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name,
-                      result_from_logprobs)
+                      result_from_logprobs, result_from_top)
 from ..schedule import DEFAULT_KV_BLOCK_SIZE
 
 # What the engine does when a scenario leaves a knob at None: no chunking for these prompt sizes, 64 in flight.
@@ -96,12 +96,20 @@ class VendoredEngine(Engine):
             if r.arrival_step > 0:
                 later.setdefault(r.arrival_step, []).append((r.request_id, list(r.prompt), r.max_new_tokens))
         top_k = max(r.top_k for r in requests)
-        outputs = {o.request_id: o for o in self.engine.generate(now, arrivals=later, top_k=top_k, keep_rows=True)}
+        # Full rows only when a request wants its distributions; otherwise the engine returns the top-k of every
+        # position, computed on its device (a GPU's rows of a 128K vocabulary never come to the host).
+        full = any(r.full_distributions for r in requests)
+        outputs = {o.request_id: o for o in self.engine.generate(now, arrivals=later, top_k=top_k, keep_rows=full,
+                                                                   prompt_top=not full)}
         results = []
         for r in requests:
             out = outputs[r.request_id]
-            rows = out.rows if out.rows is not None else torch.empty(0, self.cfg.vocab_size)   # a 1-token prompt
-            results.append(result_from_logprobs(r, rows, out.output_ids))
+            if full:
+                rows = out.rows if out.rows is not None else torch.empty(0, self.cfg.vocab_size)  # a 1-token prompt
+                results.append(result_from_logprobs(r, rows, out.output_ids))
+            else:
+                results.append(result_from_top(r, out.prompt_logprobs + out.output_logprobs,
+                                               out.prompt_top + out.output_top, out.output_ids))
         return results
 
     def _close_engine(self) -> None:

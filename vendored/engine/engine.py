@@ -29,6 +29,7 @@ class RequestOutput:
     output_top: list[list[tuple[int, float]]]     # top-k (token, logprob) at each generated step
     preemptions: int
     rows: torch.Tensor | None = None              # (T-1+n, V) log-softmax rows when asked for (keep_rows)
+    prompt_top: list[list[tuple[int, float]]] | None = None   # top-k at prompt positions 1..T-1 (prompt_top)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,11 +139,13 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int = 0, top_k: int = 5,
-                    keep_rows: bool = False) -> None:
-        """Queue a request; EngineError naming the request (and the position) if the engine cannot serve it."""
+                    keep_rows: bool = False, prompt_top: bool = False) -> None:
+        """Queue a request; EngineError naming the request (and the position) if the engine cannot serve it.
+        keep_rows: return every position's full log-softmax row; prompt_top: the top-k at prompt positions too."""
         prompt = self._checked_prompt(request_id, prompt, max_new_tokens)
         self.scheduler.add(Sequence(request_id, prompt, max_new_tokens, top_k, self._arrivals, keep_rows=keep_rows,
-                                    prompt_logprobs=[None] * (len(prompt) - 1)))
+                                    prompt_logprobs=[None] * (len(prompt) - 1),
+                                    prompt_top=[None] * (len(prompt) - 1) if prompt_top else None))
         self._in_flight.add(request_id)
         self._arrivals += 1
 
@@ -240,10 +243,11 @@ class LLMEngine:
 
     def _record(self, pieces: list[Piece], rows: list[tuple[int, int]], logits: torch.Tensor) -> None:
         """What a step returns, for every piece at once: one log-softmax over the step's logit rows, one gather of
-        the prompt logprobs, one top-k over the rows that choose a next token, and one transfer to the host of what
-        the sequences keep (no per-row device reads). rows[i] = (first logit row, count) of pieces[i]."""
+        the prompt logprobs, one top-k over the rows that choose a next token (and the prompt rows of sequences that
+        asked for their top-k), and one transfer to the host of what the sequences keep (no per-row device reads).
+        rows[i] = (first logit row, count) of pieces[i]."""
         prompt_rows, prompt_targets, prompt_slots = [], [], []        # row, token it predicts, (seq, index)
-        choice_rows, choosers, kept = [], [], []
+        top_rows, top_owners, kept = [], [], []                       # row, (seq, prompt index or None: a choice)
         for piece, (first_row, count) in zip(pieces, rows):
             seq = piece.seq
             wanted = [p for p in range(piece.start, piece.start + piece.length) if self._wants_logits(seq, p)]
@@ -256,10 +260,13 @@ class LLMEngine:
                     prompt_rows.append(row)
                     prompt_targets.append(seq.prompt[pos + 1])
                     prompt_slots.append((seq, pos))
+                    if seq.prompt_top is not None:
+                        top_rows.append(row)
+                        top_owners.append((seq, pos))
                 else:
-                    choice_rows.append(row)
-                    choosers.append(seq)
-        if not (prompt_rows or choice_rows):
+                    top_rows.append(row)
+                    top_owners.append((seq, None))
+        if not (prompt_rows or top_rows):
             return
         logprobs = torch.log_softmax(logits, dim=-1)                                       # (rows, V)
         device = logprobs.device
@@ -268,21 +275,24 @@ class LLMEngine:
             index = torch.tensor(prompt_rows, dtype=torch.long, device=device)
             target = torch.tensor(prompt_targets, dtype=torch.long, device=device)
             parts.append(logprobs[index, target].double())                                 # (n_prompt,)
-        if choice_rows:
-            k = max(max(1, seq.top_k) for seq in choosers)
-            top = torch.topk(logprobs[torch.tensor(choice_rows, dtype=torch.long, device=device)], k)  # (n, k)
+        if top_rows:
+            k = max(max(1, seq.top_k) for seq, _ in top_owners)
+            top = torch.topk(logprobs[torch.tensor(top_rows, dtype=torch.long, device=device)], k)  # (n, k)
             parts += [top.values.double().reshape(-1), top.indices.double().reshape(-1)]
         host = torch.cat(parts).cpu()                                  # one transfer (fp64: ids and values exact)
         kept_rows = (logprobs[torch.tensor([r for _, _, r in kept], dtype=torch.long, device=device)].cpu()
                      if kept else None)
         for (seq, pos), value in zip(prompt_slots, host[:len(prompt_rows)].tolist()):
             seq.prompt_logprobs[pos] = value
-        if choice_rows:
-            n = len(choice_rows)
+        if top_rows:
+            n = len(top_rows)
             flat = host[len(prompt_rows):]
             values = flat[:n * k].reshape(n, k).tolist()
             indices = flat[n * k:].reshape(n, k).long().tolist()
-            for seq, vals, ids in zip(choosers, values, indices):
+            for (seq, pos), vals, ids in zip(top_owners, values, indices):
+                if pos is not None:
+                    seq.prompt_top[pos] = list(zip(ids, vals))[:seq.top_k]
+                    continue
                 seq.output_ids.append(ids[0])                           # greedy; topk breaks ties by lowest index
                 seq.output_logprobs.append(vals[0])
                 seq.output_top.append(list(zip(ids, vals))[:seq.top_k])
@@ -293,7 +303,8 @@ class LLMEngine:
     def _output(seq: Sequence) -> RequestOutput:
         rows = torch.stack([seq.rows[p] for p in sorted(seq.rows)]) if seq.keep_rows and seq.rows else None
         return RequestOutput(seq.request_id, [float(x) for x in seq.prompt_logprobs], list(seq.output_ids),
-                             list(seq.output_logprobs), list(seq.output_top), seq.preemptions, rows)
+                             list(seq.output_logprobs), list(seq.output_top), seq.preemptions, rows,
+                             None if seq.prompt_top is None else list(seq.prompt_top))
 
     # ---- driving -----------------------------------------------------------------------------------------
     def _check_all(self, requests: list, arrivals: dict[int, list]) -> None:
@@ -311,20 +322,21 @@ class LLMEngine:
             self._checked_prompt(request_id, prompt, max_new)
 
     def generate(self, requests: list[tuple[str, list[int], int]], *, arrivals: dict[int, list] | None = None,
-                 top_k: int = 5, keep_rows: bool = False, max_steps: int = 1_000_000) -> list[RequestOutput]:
+                 top_k: int = 5, keep_rows: bool = False, prompt_top: bool = False,
+                 max_steps: int = 1_000_000) -> list[RequestOutput]:
         """Run requests (id, prompt, max_new_tokens) to completion; arrivals maps a step number to more requests
         that arrive before that step. Returns outputs in the order the requests were given."""
         pending = dict(arrivals or {})
         order = [r[0] for r in requests] + [r[0] for step in sorted(pending) for r in pending[step]]
         self._check_all(requests, pending)
         for request_id, prompt, max_new in requests:
-            self.add_request(request_id, prompt, max_new, top_k, keep_rows)
+            self.add_request(request_id, prompt, max_new, top_k, keep_rows, prompt_top)
         results: dict[str, RequestOutput] = {}
         start = self.steps
         while self.has_unfinished() or pending:
             for step in [s for s in pending if s <= self.steps - start]:
                 for request_id, prompt, max_new in pending.pop(step):
-                    self.add_request(request_id, prompt, max_new, top_k, keep_rows)
+                    self.add_request(request_id, prompt, max_new, top_k, keep_rows, prompt_top)
             if not self.has_unfinished():
                 self.steps += 1                                    # an idle step until the next arrival
                 continue
