@@ -2,24 +2,33 @@
 false-failure rate on the same workload (`make mutants-scale`, on a CUDA machine; docs/scale.md).
 
     python -m mutants.scale [--model bamba9b-2layer] [--dtypes bfloat16,float32] [--scenarios ID,...]
-                            [--clean-seeds 20] [--only NAME,...] [--jobs 4] [--out out/mutants-scale]
+                            [--clean-seeds 20] [--clean-procs 2] [--only NAME,...] [--jobs 3] [--out DIR]
+                            [--resume] [--report-only]
 
 1. The model (harness/scale.py) is written to --model-dir unless it is there.
 2. The clean tree judges the vendored engine on every selected scenario, in every dtype, for each of
-   --clean-seeds prompt seeds (the false-failure measurement: every one of these runs must pass), and saves the
-   oracle's results (harness/runner.py, Oracle.save_cache) so that no mutant process loads the fp64 model again.
+   --clean-seeds prompt seeds (the false-failure measurement: every one of these runs must pass). Seed 0 runs
+   first, alone, and saves its oracle results (harness/runner.py, Oracle.save_cache) so that no mutant process
+   loads the fp64 model; then seed 0 runs again in another process, against that cache, to show which runs are
+   bit-reproducible; seeds 1.. run in --clean-procs processes, each loading the oracle once for its seeds.
 3. Each engine mutant of mutants/defs (one that edits vendored/) is planted in its own scratch copy of the tree
-   (mutants/run.py's copy) and judged on seed 0 in every dtype, --jobs processes at a time on the one GPU.
-   Mutants that edit only the oracle or the judge (reference/, harness/) are not engine bugs: a scale run uses
-   the unmutated oracle and judge, and they are listed as such. A mutant whose every judged number (each
-   position's |Δ| in every scenario and dtype) is bit-identical to the clean engine's did not change what runs
-   on the GPU for this workload: "not live here". A mutant that needs more GPUs than there are is listed so.
-Outcomes per dtype: killed (some scenario FAILED or the engine raised: which, and by which check: "logprob" (the
-max budget), "token", "excess" (the noise-floor test), "shape", "error"), survived (with its largest max |Δ| /
-budget and largest excess ratio beside the clean runs' largest, the noise floor).
-Writes report.json, table.md and power.png to --out; exit status 0 only if every clean run passed. With --resume
-the complete results already in --out are kept, so a measurement longer than one session's GPU call can be carried
-from call to call (its --out copied back and forth) and finished.
+   (mutants/run.py's copy) and judged on seed 0, --jobs processes at a time on the one GPU. Per dtype the
+   scenarios run in the order given and stop at the first that kills it (that scenario is the one the table
+   names); a mutant that survives runs them all. Mutants that edit only the oracle or the judge (reference/,
+   harness/) are not engine bugs: a scale run uses the unmutated oracle and judge, and they are listed as such. A
+   surviving mutant whose every judged number (each position's |Δ| in every scenario) is bit-identical to one of
+   the clean engine's seed-0 runs did not change what runs on the GPU for this workload: "not live" in that dtype;
+   one that differs only where the clean engine's two runs differ too is "undetermined". A mutant that needs more
+   GPUs than there are is listed so.
+4. Workers start only while a memory gate (MemoryGate: estimates in multiples of the checkpoint's size, measured)
+   leaves room on the GPU, so that processes sharing it do not run each other out of memory.
+Outcomes per dtype: killed (a scenario FAILED or the engine raised: which, and by which check: "logprob" (the max
+budget), "token", "excess" (the noise-floor test), "shape", "error"), survived (with its largest max |Δ| / budget and
+largest excess ratio beside the clean runs' largest, the noise floor). A run that ran out of GPU memory is neither:
+it is not recorded, and runs again with --resume.
+Writes report.json, table.md and power.png to --out; exit status 0 only if every clean run passed and every run is
+complete. Each results file keeps its rows as they finish, so a measurement longer than one GPU call is finished
+with --resume (--out carried from call to call); --report-only writes the table from what --out holds.
 The worker mode (--worker) is what runs inside each tree.
 """
 
@@ -33,15 +42,59 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SCENARIOS = ("batching-together,chunked_prefill-budget257-Q256,chunked_prefill-capped-budget640-cap256-Q256,"
-                     "preemption-blocks7x128-Q256,cudagraph-on")
+# Richest first: a mutant stops at the first scenario that kills it (capped chunked prefill has chunk and piece
+# boundaries and continuing prefills side by side; cudagraph-on is the decode-heavy one).
+DEFAULT_SCENARIOS = ("chunked_prefill-capped-budget640-cap256-Q256,cudagraph-on,batching-together,"
+                     "chunked_prefill-budget257-Q256,preemption-blocks7x128-Q256")
+REPEAT = "clean-seed0-repeat.jsonl"         # seed 0 again, in another process: which clean runs are reproducible
+DONE = {"done": True}                       # a results file's last line once its worker ran everything it had to
+OUT_OF_MEMORY = 3                           # a worker's exit status when a run ran out of GPU memory
+OOM_ATTEMPTS, OOM_WAIT_S = 6, 10            # a run short of GPU memory waits for other processes this often, this long
+# GPU memory a worker takes, in multiples of the checkpoint's size on disk (bf16 for the scale models). Measured on an
+# H200 with bamba9b-2layer (4.1 GB): a process holding the fp64 oracle and its bf16 / fp32 references took 46-50 GB,
+# one running only the engine (bf16 then fp32) 18 GB.
+ORACLE_PROCESS_X, ENGINE_PROCESS_X = 13, 5
+GPU_MEMORY_SHARE = 0.9                      # of the memory free when the measurement starts
+
+
+class MemoryGate:
+    """Admits a worker only while the estimated memory of the workers running leaves room for its own estimate (a
+    worker larger than the whole capacity runs alone). Without a CUDA device it admits everything."""
+
+    def __init__(self, capacity: float) -> None:
+        self.capacity, self.used = capacity, 0.0
+        self._cond = threading.Condition()
+
+    @classmethod
+    def for_device(cls, device: str) -> "MemoryGate":
+        import torch
+
+        if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+            return cls(float("inf"))
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return cls(GPU_MEMORY_SHARE * free)
+
+    @contextmanager
+    def hold(self, need: float):
+        need = min(need, self.capacity)
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + need <= self.capacity)
+            self.used += need
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= need
+                self._cond.notify_all()
 ENGINE_DIRS = ("vendored/",)
 
 
@@ -52,6 +105,13 @@ def _digest(report) -> str:
     for c in report.comparisons:
         h.update(repr((c.request_id, c.positions, c.deltas, c.top1_agree)).encode())
     return h.hexdigest()[:16]
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """A run that failed for want of GPU memory (another process on the GPU held it): not a verdict on the engine."""
+    import torch
+
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 def worker(args) -> int:
@@ -66,57 +126,95 @@ def worker(args) -> int:
 
     cfg = ModelConfig.from_dict(json.loads((Path(args.checkpoint) / "config.json").read_text()))
     by_id = {s.id: s for s in build_scenarios(cfg)}
-    unknown = [s for s in args.scenarios.split(",") if s not in by_id]
+    scenarios = args.scenarios.split(",")
+    unknown = [s for s in scenarios if s not in by_id]
     if unknown:
         raise SystemExit(f"unknown scenarios {unknown}; this model has {', '.join(by_id)}")
     oracle = Oracle(args.checkpoint, device=args.device)
     if args.cache and Path(args.cache).is_file():
         oracle.load_cache(args.cache)
-    out = open(args.results, "a")
-    for seed in range(args.seed_start, args.seed_start + args.seeds):
-        source = PromptSource(cfg.vocab_size, seed=seed)
-        for sid in args.scenarios.split(","):
+    results = Path(args.results)
+    done = {(r["seed"], r["scenario"], r["dtype"]): r for r in _read(results)}     # rows of an earlier call
+    status = 0
+    with open(results, "a") as out:
+        for seed in range(args.seed_start, args.seed_start + args.seeds):
+            source = PromptSource(cfg.vocab_size, seed=seed)
             for dtype in args.dtypes.split(","):
-                row = dict(scenario=sid, dtype=dtype, seed=seed)
-                start = time.monotonic()
-                try:
-                    report = check_scenario("vendored", by_id[sid], oracle=oracle, source=source, dtype=dtype,
-                                            device=args.device)
-                    excess = report.meta.get("excess", {}).get("classes", {})
-                    row.update(verdict="PASS" if report.passed else "FAIL",
-                               checks=sorted({f.what for f in report.failures}),
-                               first_failure=report.failures[0].message()[:300] if report.failures else "",
-                               max_delta=report.max_delta, budget=report.meta["budget"],
-                               top1=report.top1_agreement, mean_kl=report.mean_kl,
-                               excess={k: v["ratio"] for k, v in excess.items() if v["judged"]},
-                               digest=_digest(report))
-                except ScenarioSkipped as skip:
-                    row.update(verdict="SKIP", reason=str(skip))
-                except Exception as err:                      # an engine that raises is caught, as the CLI says
-                    row.update(verdict="ERROR", checks=["error"], first_failure=f"{type(err).__name__}: {err}"[:300],
-                               trace=traceback.format_exc()[-1500:])
-                row["seconds"] = round(time.monotonic() - start, 2)
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-    if args.save_cache:
-        oracle.save_cache(args.save_cache)
-    return 0
+                for sid in scenarios:
+                    if args.stop_at_kill and any(done.get((seed, s, dtype), {}).get("verdict") in ("FAIL", "ERROR")
+                                                 for s in scenarios):
+                        break                           # killed in this dtype: the rest would add nothing
+                    if (seed, sid, dtype) in done:
+                        continue
+                    row = dict(scenario=sid, dtype=dtype, seed=seed, **({"repeat": True} if args.repeat else {}))
+                    stages, start = {}, time.monotonic()
+
+                    def progress(stage, _count, stages=stages):
+                        stages.setdefault(stage, round(time.monotonic() - start, 2))
+
+                    try:
+                        for attempt in range(OOM_ATTEMPTS):       # other processes on the GPU may hold its memory
+                            try:
+                                report = check_scenario("vendored", by_id[sid], oracle=oracle, source=source,
+                                                        dtype=dtype, device=args.device, progress=progress)
+                                break
+                            except Exception as err:
+                                if not _out_of_memory(err) or attempt == OOM_ATTEMPTS - 1:
+                                    raise
+                                print(f"seed {seed} {sid} {dtype}: out of GPU memory, again in {OOM_WAIT_S} s",
+                                      flush=True)
+                                del err
+                                torch.cuda.empty_cache()
+                                time.sleep(OOM_WAIT_S)
+                        excess = report.meta.get("excess", {}).get("classes", {})
+                        row.update(verdict="PASS" if report.passed else "FAIL",
+                                   checks=sorted({f.what for f in report.failures}),
+                                   first_failure=report.failures[0].message()[:300] if report.failures else "",
+                                   max_delta=report.max_delta, budget=report.meta["budget"],
+                                   top1=report.top1_agreement, mean_kl=report.mean_kl,
+                                   excess={k: v["ratio"] for k, v in excess.items() if v["judged"]},
+                                   digest=_digest(report))
+                    except ScenarioSkipped as skip:
+                        row.update(verdict="SKIP", reason=str(skip))
+                    except Exception as err:                  # an engine that raises is caught, as the CLI says
+                        if _out_of_memory(err):
+                            print(f"seed {seed} {sid} {dtype}: out of GPU memory, not recorded: {err}", flush=True)
+                            status = OUT_OF_MEMORY
+                            torch.cuda.empty_cache()
+                            continue
+                        row.update(verdict="ERROR", checks=["error"],
+                                   first_failure=f"{type(err).__name__}: {err}"[:300],
+                                   trace=traceback.format_exc()[-1500:])
+                    row.update(seconds=round(time.monotonic() - start, 2), stages=stages)
+                    done[(seed, sid, dtype)] = row
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+        if args.save_cache:
+            oracle.save_cache(args.save_cache)
+        if status == 0:
+            out.write(json.dumps(DONE) + "\n")
+    return status
 
 
 # ---- the driver --------------------------------------------------------------------------------------------------
 def _run_worker(tree: Path, results: Path, log: Path, *, checkpoint: Path, scenarios: str, dtypes: str, seeds: int,
-                device: str, cache: Path | None, save_cache: Path | None, timeout: int, seed_start: int = 0) -> int:
+                device: str, cache: Path | None, save_cache: Path | None, timeout: int, seed_start: int = 0,
+                stop_at_kill: bool = False, repeat: bool = False) -> int:
     cmd = [sys.executable, "-m", "mutants.scale", "--worker", "--checkpoint", str(checkpoint), "--scenarios",
            scenarios, "--dtypes", dtypes, "--seeds", str(seeds), "--seed-start", str(seed_start), "--device", device,
            "--results", str(results)]
+    if stop_at_kill:
+        cmd.append("--stop-at-kill")
+    if repeat:
+        cmd.append("--repeat")
     if cache is not None:
         cmd += ["--cache", str(cache)]
     if save_cache is not None:
         cmd += ["--save-cache", str(save_cache)]
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
-    with open(log, "w") as handle:
+    with open(log, "a") as handle:
         try:
             return subprocess.run(cmd, cwd=tree, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                   timeout=timeout).returncode
@@ -125,8 +223,26 @@ def _run_worker(tree: Path, results: Path, log: Path, *, checkpoint: Path, scena
             return -1
 
 
+def _lines(results: Path) -> list[dict]:
+    """A results file's lines; a last line cut short by a killed worker is dropped (its run is done again)."""
+    lines = []
+    for line in results.read_text().splitlines() if results.is_file() else []:
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return lines
+
+
 def _read(results: Path) -> list[dict]:
-    return [json.loads(line) for line in results.read_text().splitlines() if line.strip()] if results.is_file() else []
+    """The run rows of a results file (without its done mark)."""
+    return [r for r in _lines(results) if "scenario" in r]
+
+
+def _complete(results: Path) -> bool:
+    """Whether the worker that wrote `results` ran everything it had to (its last line is the done mark)."""
+    lines = _lines(results)
+    return bool(lines) and lines[-1] == DONE
 
 
 def classify_mutant(mutant) -> str | None:
@@ -142,19 +258,43 @@ def classify_mutant(mutant) -> str | None:
     return None
 
 
-def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str]) -> dict:
-    """Per dtype: killed / survived / not live, by which scenarios and checks, with its effect beside the noise."""
-    clean_digest = {(r["scenario"], r["dtype"]): r.get("digest") for r in clean if r["seed"] == 0}
+def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
+              scenarios: list[str] | None = None) -> dict:
+    """Per dtype: killed / survived / not live, by which scenarios and checks, with its effect beside the noise.
+
+    `clean` holds the clean engine's seed-0 rows, once or twice (the second run, in another process, "repeat":
+    True, shows which runs are deterministic). A row is the clean engine's when its digest is one the clean engine
+    produced; a dtype whose every row is so is "not live"; one whose only differing rows are where the clean engine
+    itself varied is "undetermined". Survived and not live need a row for every scenario (default: those of the
+    clean rows); a dtype with fewer and no kill is "incomplete" (a run short of GPU memory, or one the time limit
+    stopped), with none "not run"."""
+    digests: dict[tuple, set] = {}
+    for r in clean:
+        if r["seed"] == 0 and r.get("digest"):
+            digests.setdefault((r["scenario"], r["dtype"]), set()).add(r["digest"])
+    expected = set(scenarios if scenarios is not None else {s for s, _ in digests})
     out = {"name": name}
-    live = any(r.get("digest") != clean_digest.get((r["scenario"], r["dtype"])) for r in rows)
-    out["live"] = live
     for dtype in dtypes:
         mine = [r for r in rows if r["dtype"] == dtype]
         killed = [r for r in mine if r["verdict"] in ("FAIL", "ERROR")]
         noise = [r for r in clean if r["dtype"] == dtype and r["verdict"] == "PASS"]
+        missing = expected - {r["scenario"] for r in mine}
+        differ = [r for r in mine if r.get("digest") not in digests.get((r["scenario"], dtype), set())]
+        stable_differ = [r for r in differ if len(digests.get((r["scenario"], dtype), ())) <= 1]
+        if killed:
+            outcome = "killed"
+        elif not mine:
+            outcome = "not run"
+        elif missing:
+            outcome = "incomplete"
+        elif stable_differ:
+            outcome = "survived"
+        else:
+            outcome = "undetermined" if differ else "not live"
         out[dtype] = {
-            "outcome": ("killed" if killed else "survived" if live else "not live") if mine else "not run",
+            "outcome": outcome,
             "by": sorted({f"{r['scenario']}:{'/'.join(r.get('checks', []))}" for r in killed}),
+            "missing": sorted(missing) if not killed else [],
             "max_delta_over_budget": max((r["max_delta"] / r["budget"] for r in mine if "max_delta" in r),
                                          default=None),
             "max_excess_ratio": max((v for r in mine for v in r.get("excess", {}).values()), default=None),
@@ -162,7 +302,17 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str])
             "clean_max_excess_ratio": max((v for r in noise for v in r.get("excess", {}).values()), default=None),
             "first_failure": killed[0].get("first_failure", "") if killed else "",
         }
+    out["live"] = any(out[d]["outcome"] in ("killed", "survived") for d in dtypes)
     return out
+
+
+def unstable(clean: list[dict]) -> list[tuple[str, str]]:
+    """(scenario, dtype) pairs where the clean engine's two seed-0 runs differ (not bit-reproducible)."""
+    digests: dict[tuple, set] = {}
+    for r in clean:
+        if r["seed"] == 0 and r.get("digest"):
+            digests.setdefault((r["scenario"], r["dtype"]), set()).add(r["digest"])
+    return sorted(k for k, v in digests.items() if len(v) > 1)
 
 
 def _fmt(x) -> str:
@@ -173,7 +323,8 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
     lines = ["## Clean runs (false failures)", "", "| scenario | dtype | runs | failed | max |Δ|/budget | "
              "largest excess ratio |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for key in sorted({(r["scenario"], r["dtype"]) for r in clean}):
-        rows = [r for r in clean if (r["scenario"], r["dtype"]) == key and r["verdict"] != "SKIP"]
+        rows = [r for r in clean if (r["scenario"], r["dtype"]) == key and r["verdict"] != "SKIP"
+                and not r.get("repeat")]
         failed = [r for r in rows if r["verdict"] != "PASS"]
         lines.append(f"| {key[0]} | {key[1]} | {len(rows)} | {len(failed)} | "
                      f"{_fmt(max((r['max_delta'] / r['budget'] for r in rows if 'max_delta' in r), default=None))} | "
@@ -181,16 +332,26 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
     lines += ["", "## Engine mutants", "", "| mutant | " + " | ".join(dtypes) + " | effect (max |Δ|/budget; excess "
               "ratio) per dtype |", "| --- | " + " | ".join("---" for _ in dtypes) + " | --- |"]
     for m in mutants:
-        cells = [f"{m[d]['outcome']}" + (f" ({', '.join(m[d]['by'][:3])})" if m[d]["by"] else "") for d in dtypes]
+        cells = [f"{m[d]['outcome']}" + (f" ({', '.join(m[d]['by'][:3])})" if m[d]["by"] else "")
+                 + (f" ({len(m[d]['missing'])} scenarios not run)" if m[d]["outcome"] == "incomplete" else "")
+                 for d in dtypes]
         effect = "; ".join(f"{d}: {_fmt(m[d]['max_delta_over_budget'])}, {_fmt(m[d]['max_excess_ratio'])} "
                            f"(clean {_fmt(m[d]['clean_max_delta_over_budget'])}, "
                            f"{_fmt(m[d]['clean_max_excess_ratio'])})" for d in dtypes)
         lines.append(f"| {m['name']} | " + " | ".join(cells) + f" | {effect} |")
-    live = [m for m in mutants if m["live"]]
     for d in dtypes:
-        kills = sum(m[d]["outcome"] == "killed" for m in live)
-        lines.append(f"\n{d}: {kills} of {len(live)} live engine mutants killed"
-                     + (f" ({100 * kills / len(live):.0f}%)" if live else ""))
+        counts = {o: sum(m[d]["outcome"] == o for m in mutants)
+                  for o in ("killed", "survived", "not live", "undetermined", "incomplete", "not run")}
+        decided = counts["killed"] + counts["survived"]
+        lines.append(f"\n{d}: {counts['killed']} of {decided} live engine mutants killed"
+                     + (f" ({100 * counts['killed'] / decided:.0f}%)" if decided else "")
+                     + f"; {counts['not live']} not live; {counts['undetermined']} undetermined, "
+                       f"{counts['incomplete']} incomplete, {counts['not run']} not run (none of these counted)")
+    varying = unstable(clean)
+    if varying:
+        lines += ["", "The clean engine's two seed-0 runs differ (not bit-reproducible) in: "
+                  + ", ".join(f"{sc} {d}" for sc, d in varying)
+                  + ". A mutant that differs from the clean engine only there is undetermined."]
     if skipped:
         lines += ["", "## Not judged here", ""] + [f"- {name}: {why}" for name, why in sorted(skipped.items())]
     return "\n".join(lines) + "\n"
@@ -241,30 +402,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS, help="scenario ids")
     parser.add_argument("--clean-seeds", type=int, default=20, help="prompt seeds of the clean runs")
+    parser.add_argument("--clean-procs", type=int, default=1,
+                        help="processes for clean seeds 1.. (each loads the fp64 oracle once)")
     parser.add_argument("--only", default=None, help="comma-separated mutant names")
-    parser.add_argument("--jobs", type=int, default=4, help="mutant processes at a time on the GPU")
+    parser.add_argument("--jobs", type=int, default=4,
+                        help="mutant processes at a time on the GPU (fewer when the memory gate says so)")
+    parser.add_argument("--stop-at-kill", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds for the whole measurement: no worker starts after it and running ones are "
+                             "stopped at it (their finished runs are kept for --resume)")
     parser.add_argument("--out", default="out/mutants-scale")
     parser.add_argument("--resume", action="store_true",
-                        help="keep --out's results: runs (clean seeds, mutants) whose results are complete there and "
-                             "the oracle cache are reused, so a long measurement can span several calls")
+                        help="keep --out's results: runs already recorded there (clean seeds, mutants) and the "
+                             "oracle cache are reused, so a long measurement can span several calls")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: write the table, JSON and plot from what --out holds")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
 
-    from tqdm import tqdm
-
-    from harness import scale
-
     from .mutant import load_all
-    from .run import copy_tree
 
-    out = Path(args.out)
+    out = Path(args.out).resolve()                  # workers run in other trees: every path they get is absolute
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint = Path(args.model_dir or out / args.model)
-    if not (checkpoint / "config.json").is_file():
-        scale.write_checkpoint(args.model, checkpoint, device=args.device)
     dtypes = args.dtypes.split(",")
     chosen = load_all()
     if args.only:
@@ -275,84 +438,135 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [m for m in chosen if m.name in names]
     skipped = {m.name: why for m in chosen if (why := classify_mutant(m))}
     judged = [m for m in chosen if m.name not in skipped]
+    groups = _seed_groups(args.clean_seeds, args.clean_procs)
+    statuses = [0] if args.report_only else _measure(args, out, judged, groups)
+    return _report(args, out, judged, skipped, groups, dtypes, statuses)
 
+
+def _seed_groups(clean_seeds: int, procs: int) -> list[tuple[int, int]]:
+    """Seeds 1..clean_seeds-1 as (first, count) for each of `procs` processes (seed 0 runs first, alone)."""
+    rest = list(range(1, clean_seeds))
+    size = -(-len(rest) // max(1, procs)) if rest else 0
+    return [(rest[i], len(rest[i:i + size])) for i in range(0, len(rest), size)] if rest else []
+
+
+def _clean_file(first: int, count: int) -> str:
+    return f"clean-seed{first}.jsonl" if count == 1 else f"clean-seeds{first}-{first + count - 1}.jsonl"
+
+
+def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> list[int]:
+    """Run what --out does not hold yet: clean seed 0 (and the oracle cache), then the mutants and the other clean
+    seeds side by side. Returns the workers' exit statuses."""
+    from tqdm import tqdm
+
+    from harness import scale
+
+    from .run import copy_tree
+
+    checkpoint = Path(args.model_dir or out / args.model).resolve()      # the same path from every tree
+    if not (checkpoint / "config.json").is_file():
+        scale.write_checkpoint(args.model, checkpoint, device=args.device)
     cache = out / "oracle-cache.pt"
-    n_scen = len(args.scenarios.split(","))
-    runs_per_tree = n_scen * len(dtypes)
-
-    def complete(results: Path) -> bool:
-        return args.resume and len(_read(results)) == runs_per_tree
-
     if not args.resume:
         for stale in [*out.glob("*.jsonl"), *out.glob("*.log"), cache]:
             stale.unlink(missing_ok=True)
-    for partial in out.glob("*.jsonl"):                     # a run cut short starts again
-        if not complete(partial):
-            partial.unlink()
-    print(f"clean runs: {args.clean_seeds} seeds × {n_scen} scenarios × {len(dtypes)} dtypes; seed 0 first (its "
-          f"oracle results are every mutant's)", flush=True)
-    status = 0
-    if not (complete(out / "clean-seed0.jsonl") and cache.is_file()):
-        (out / "clean-seed0.jsonl").unlink(missing_ok=True)
-        status = _run_worker(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", checkpoint=checkpoint,
-                             scenarios=args.scenarios, dtypes=args.dtypes, seeds=1, device=args.device, cache=None,
-                             save_cache=cache, timeout=args.timeout)
-    if status != 0 or not cache.is_file():
-        print(f"the clean run of seed 0 ended with status {status}: see {out / 'clean-seed0.log'}", file=sys.stderr)
-    seed0 = _read(out / "clean-seed0.jsonl")
-    scratch = Path(tempfile.mkdtemp(prefix="mutants-scale-"))
-    summaries, statuses = [], [status]
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+    gate = MemoryGate.for_device(args.device)
+    size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    oracle_need, engine_need = ORACLE_PROCESS_X * size, ENGINE_PROCESS_X * size
 
-    def clean_seed(seed):
-        if complete(out / f"clean-seed{seed}.jsonl"):
-            return
-        statuses.append(_run_worker(ROOT, out / f"clean-seed{seed}.jsonl", out / f"clean-seed{seed}.log",
-                                    checkpoint=checkpoint, scenarios=args.scenarios, dtypes=args.dtypes, seeds=1,
-                                    seed_start=seed, device=args.device, cache=None, save_cache=None,
-                                    timeout=args.timeout))
+    def run(tree, results, log, *, need, **kwargs):
+        """A worker, once the GPU has room for it, stopped at the deadline; -1 (not started or stopped) once the
+        deadline has passed."""
+        with gate.hold(need):
+            left = args.timeout if deadline is None else min(args.timeout, int(deadline - time.monotonic()))
+            if left <= 0:
+                return -1
+            return _run_worker(tree, results, log, checkpoint=checkpoint, scenarios=args.scenarios,
+                               dtypes=args.dtypes, device=args.device, timeout=left, **kwargs)
+
+    print(f"clean runs: {args.clean_seeds} seeds × {len(args.scenarios.split(','))} scenarios × "
+          f"{len(args.dtypes.split(','))} dtypes; seed 0 first, alone (its oracle results are every mutant's), then "
+          f"seed 0 again beside the mutants and the other seeds", flush=True)
+    statuses = [0]
+    if not (_complete(out / "clean-seed0.jsonl") and cache.is_file()):
+        statuses.append(run(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", seeds=1, need=oracle_need,
+                            cache=cache if cache.is_file() else None, save_cache=cache))
+    if not cache.is_file():
+        print(f"the clean run of seed 0 left no oracle cache (status {statuses[-1]}): no mutant is judged; see "
+              f"{out / 'clean-seed0.log'}", file=sys.stderr)
+        return statuses
+    scratch = Path(tempfile.mkdtemp(prefix="mutants-scale-"))
+
+    def repeat():
+        if not _complete(out / REPEAT):
+            statuses.append(run(ROOT, out / REPEAT, out / REPEAT.replace(".jsonl", ".log"), seeds=1,
+                                need=engine_need, cache=cache, save_cache=None, repeat=True))
+
+    def clean_group(first, count):
+        results = out / _clean_file(first, count)
+        if not _complete(results):
+            statuses.append(run(ROOT, results, results.with_suffix(".log"), seeds=count, seed_start=first,
+                                need=oracle_need, cache=None, save_cache=None))
 
     def one(mutant):
         results = out / f"mutant-{mutant.name}.jsonl"
-        if complete(results):
-            return summarise(mutant.name, _read(results), seed0, dtypes)
+        if _complete(results) or (deadline is not None and time.monotonic() >= deadline):
+            return
         tree = scratch / mutant.name
         copy_tree(ROOT, tree)
         mutant.apply(tree)
-        _run_worker(tree, results, out / f"mutant-{mutant.name}.log", checkpoint=checkpoint,
-                    scenarios=args.scenarios, dtypes=args.dtypes, seeds=1, device=args.device,
-                    cache=cache if cache.is_file() else None, save_cache=None, timeout=args.timeout)
+        statuses.append(run(tree, results, out / f"mutant-{mutant.name}.log", seeds=1, need=engine_need,
+                            cache=cache, save_cache=None, stop_at_kill=True))
         shutil.rmtree(tree, ignore_errors=True)
-        return summarise(mutant.name, _read(results), seed0, dtypes)
 
     try:
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = [pool.submit(one, m) for m in judged]
-            futures += [pool.submit(clean_seed, seed) for seed in range(1, args.clean_seeds)]
+        # Every worker waits for the memory gate: the clean seed groups each hold the fp64 oracle, a mutant or the
+        # repeat of seed 0 only an engine (they judge against seed 0's cached oracle results).
+        with ThreadPoolExecutor(max_workers=max(1, len(groups))) as seeds_pool, \
+                ThreadPoolExecutor(max_workers=max(1, args.jobs)) as mutant_pool:
+            futures = [mutant_pool.submit(repeat)] + [mutant_pool.submit(one, m) for m in judged]
+            futures += [seeds_pool.submit(clean_group, first, count) for first, count in groups]
             for future in tqdm(as_completed(futures), total=len(futures), desc="mutants and clean seeds",
                                unit="run"):
-                result = future.result()
-                if result is not None:
-                    summaries.append(result)
+                future.result()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    clean = [r for seed in range(args.clean_seeds) for r in _read(out / f"clean-seed{seed}.jsonl")]
-    for m in summaries:                 # the noise floor: every clean seed, now that all have run
+    return statuses
+
+
+def _report(args, out: Path, judged: list, skipped: dict[str, str], groups: list[tuple[int, int]],
+            dtypes: list[str], statuses: list[int]) -> int:
+    files = [out / "clean-seed0.jsonl", out / REPEAT] + [out / _clean_file(first, count) for first, count in groups]
+    clean = list({(r["seed"], r.get("repeat", False), r["scenario"], r["dtype"]): r
+                  for f in files for r in _read(f)}.values())
+    seed0 = [r for r in clean if r["seed"] == 0]
+    summaries, incomplete = [], [str(f.name) for f in files if not _complete(f)]
+    for m in judged:
+        results = out / f"mutant-{m.name}.jsonl"
+        if not _complete(results):
+            incomplete.append(results.name)
+        if results.is_file():
+            summaries.append(summarise(m.name, _read(results), seed0, dtypes, args.scenarios.split(",")))
+    for m in summaries:                 # the noise floor: every clean seed
         for d in dtypes:
             noise = [r for r in clean if r["dtype"] == d and r["verdict"] == "PASS"]
             m[d]["clean_max_delta_over_budget"] = max((r["max_delta"] / r["budget"] for r in noise), default=None)
             m[d]["clean_max_excess_ratio"] = max((v for r in noise for v in r.get("excess", {}).values()),
                                                  default=None)
-    status = max(statuses, key=abs)
     summaries.sort(key=lambda m: m["name"])
-    (out / "table.md").write_text(table(clean, summaries, skipped, dtypes))
+    text = table(clean, summaries, skipped, dtypes)
+    if incomplete:
+        text += f"\nIncomplete (run again with --resume): {', '.join(sorted(incomplete))}\n"
+    (out / "table.md").write_text(text)
     plot(summaries, dtypes, out / "power.png")
     report = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model,
                   scenarios=args.scenarios.split(","), dtypes=dtypes, clean_seeds=args.clean_seeds,
-                  clean=clean, mutants=summaries, not_judged=skipped)
+                  clean=clean, mutants=summaries, not_judged=skipped, incomplete=sorted(incomplete))
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    print((out / "table.md").read_text())
+    print(text)
     clean_failed = [r for r in clean if r["verdict"] not in ("PASS", "SKIP")]
-    return 0 if clean and not clean_failed and status == 0 else 1
+    return 0 if clean and not clean_failed and not incomplete and max(statuses, key=abs) == 0 else 1
 
 
 if __name__ == "__main__":

@@ -37,8 +37,12 @@ def test_a_mutant_is_killed_survives_or_is_not_live():
     error = summarise("m4", [dict(scenario="s", dtype="bfloat16", seed=0, verdict="ERROR", checks=["error"])],
                       clean, ["bfloat16"])
     assert error["bfloat16"]["outcome"] == "killed"
-    text = table(clean, [killed, survived, same], {"judge-x": "not an engine mutant"}, ["bfloat16"])
-    assert "bfloat16: 1 of 2 live engine mutants killed (50%)" in text
+    partial = summarise("m5", [_row("s", "bfloat16", "PASS", "eee")], clean, ["bfloat16"], ["s", "t"])
+    assert partial["bfloat16"]["outcome"] == "incomplete" and partial["bfloat16"]["missing"] == ["t"]
+    text = table(clean, [killed, survived, same, partial], {"judge-x": "not an engine mutant"}, ["bfloat16"])
+    assert ("bfloat16: 1 of 2 live engine mutants killed (50%); 1 not live; 0 undetermined, 1 incomplete, 0 not "
+            "run (none of these counted)") in text
+    assert "| m5 | incomplete (1 scenarios not run) |" in text
     assert "| s | bfloat16 | 2 | 0 |" in text and "- judge-x: not an engine mutant" in text
 
 
@@ -51,3 +55,106 @@ def test_tensor_parallel_mutants_need_two_gpus(name):
         assert reason and "needs 2 GPUs" in reason
     else:
         assert reason is None
+
+
+def test_clean_seeds_are_split_over_the_processes_without_gaps():
+    from mutants.scale import _seed_groups
+
+    assert _seed_groups(20, 2) == [(1, 10), (11, 9)]
+    assert _seed_groups(20, 3) == [(1, 7), (8, 7), (15, 5)]
+    assert _seed_groups(2, 4) == [(1, 1)]
+    assert _seed_groups(1, 2) == []
+    for seeds, procs in [(20, 2), (21, 4), (7, 7), (5, 1)]:
+        covered = [s for first, count in _seed_groups(seeds, procs) for s in range(first, first + count)]
+        assert covered == list(range(1, seeds))
+
+
+def test_a_results_file_is_complete_only_with_its_done_mark_and_a_cut_line_is_dropped(tmp_path):
+    import json
+
+    from mutants.scale import DONE, _complete, _read
+
+    f = tmp_path / "r.jsonl"
+    assert not _complete(f) and _read(f) == []
+    f.write_text(json.dumps(_row("s", "bfloat16", "PASS", "a")) + "\n" + '{"scenario": "t", "dty')  # killed mid-line
+    assert [r["scenario"] for r in _read(f)] == ["s"] and not _complete(f)
+    f.write_text(json.dumps(_row("s", "bfloat16", "PASS", "a")) + "\n" + json.dumps(DONE) + "\n")
+    assert _complete(f) and len(_read(f)) == 1
+
+
+def test_report_only_tables_what_the_directory_holds_and_names_what_is_incomplete(tmp_path):
+    import json
+
+    from mutants.scale import DONE, main
+
+    def write(name, rows, done=True):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows + ([DONE] if done else [])))
+
+    write("clean-seed0.jsonl", [_row("s", "bfloat16", "PASS", "aaa")])
+    write("clean-seed1.jsonl", [_row("s", "bfloat16", "PASS", "bbb", seed=1, excess={"all": 1.2})])
+    write("mutant-ssd-D-dropped.jsonl", [_row("s", "bfloat16", "FAIL", "ccc", checks=["logprob"])])
+    write("mutant-ssu-D-dropped.jsonl", [_row("s", "bfloat16", "PASS", "aaa")], done=False)   # cut short
+    status = main(["--report-only", "--out", str(tmp_path), "--dtypes", "bfloat16", "--scenarios", "s",
+                   "--clean-seeds", "2", "--only", "ssd-D-dropped,ssu-D-dropped,judge-budget-without-atol"])
+    text = (tmp_path / "table.md").read_text()
+    assert status == 1, "an incomplete mutant run must not exit 0"
+    assert "| ssd-D-dropped | killed (s:logprob)" in text and "| s | bfloat16 | 2 | 0 |" in text
+    assert "Incomplete (run again with --resume): clean-seed0-repeat.jsonl, mutant-ssu-D-dropped.jsonl" in text
+    assert "- judge-budget-without-atol: not an engine mutant" in text
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["incomplete"] == ["clean-seed0-repeat.jsonl", "mutant-ssu-D-dropped.jsonl"]
+    write("mutant-ssu-D-dropped.jsonl", [_row("s", "bfloat16", "PASS", "ddd")])
+    write("clean-seed0-repeat.jsonl", [dict(_row("s", "bfloat16", "PASS", "aaa"), repeat=True)])
+    assert main(["--report-only", "--out", str(tmp_path), "--dtypes", "bfloat16", "--scenarios", "s",
+                 "--clean-seeds", "2", "--only", "ssd-D-dropped,ssu-D-dropped"]) == 0
+
+
+def test_a_mutant_differing_only_where_the_clean_engine_varies_is_undetermined():
+    clean = [_row("s", "bfloat16", "PASS", "aaa"), _row("t", "bfloat16", "PASS", "ttt"),
+             dict(_row("s", "bfloat16", "PASS", "a2"), repeat=True), dict(_row("t", "bfloat16", "PASS", "ttt"),
+                                                                            repeat=True)]
+    from mutants.scale import unstable
+
+    assert unstable(clean) == [("s", "bfloat16")]
+    either = summarise("m1", [_row("s", "bfloat16", "PASS", "a2"), _row("t", "bfloat16", "PASS", "ttt")], clean,
+                       ["bfloat16"])
+    assert either["bfloat16"]["outcome"] == "not live"           # one of the clean engine's own results
+    varied = summarise("m2", [_row("s", "bfloat16", "PASS", "zzz"), _row("t", "bfloat16", "PASS", "ttt")], clean,
+                       ["bfloat16"])
+    assert varied["bfloat16"]["outcome"] == "undetermined" and not varied["live"]
+    live = summarise("m3", [_row("s", "bfloat16", "PASS", "zzz"), _row("t", "bfloat16", "PASS", "uuu")], clean,
+                     ["bfloat16"])
+    assert live["bfloat16"]["outcome"] == "survived" and live["live"]
+    text = table(clean, [either, varied, live], {}, ["bfloat16"])
+    assert "| s | bfloat16 | 1 | 0 |" in text, "the repeat of seed 0 is not counted as another clean run"
+    assert "differ (not bit-reproducible) in: s bfloat16" in text
+
+
+def test_the_memory_gate_admits_workers_while_their_estimates_fit():
+    import threading
+    import time
+
+    from mutants.scale import MemoryGate
+
+    gate, order = MemoryGate(100.0), []
+
+    def worker(name, need, hold_s):
+        with gate.hold(need):
+            order.append(("start", name, gate.used))
+            time.sleep(hold_s)
+        order.append(("end", name))
+
+    big = threading.Thread(target=worker, args=("oracle", 60, 0.3))
+    big.start()
+    time.sleep(0.05)
+    small = [threading.Thread(target=worker, args=(f"engine{i}", 30, 0.05)) for i in range(3)]
+    for t in small:
+        t.start()
+    for t in [big, *small]:
+        t.join(5)
+    starts = [e[1] for e in order if e[0] == "start"]
+    assert starts[0] == "oracle" and len(starts) == 4
+    # one engine at a time fits beside the oracle (60 + 30), never two (120): the gate neither overfills nor idles
+    assert max(e[2] for e in order if e[0] == "start") == 90
+    with MemoryGate(10.0).hold(50):                   # larger than the whole capacity: runs alone, never blocks
+        pass
