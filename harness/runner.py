@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from reference.checkpoint import parameter_count
+
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
 from .compare import ATOL, DEFAULT_K, Budget, NoiseFloor, Report, compare_runs, position_classes
@@ -36,6 +38,18 @@ ORACLE_STEP_TOKENS = 4096
 
 
 Progress = Callable[[str, int], None]
+# A reference model on a GPU needs its weights and this much again as a share of them for its activations.
+ROOM_FACTOR = 1.25
+
+
+def _on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes free on a CUDA device, after this process's allocator has returned what it holds unused."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 class ScenarioSkipped(Exception):
@@ -68,12 +82,23 @@ class Oracle:
         calibrated on. A wider one (float32 under bfloat16) runs its scan and keeps its state in it."""
         key = (dtype, ssm_state_dtype)
         if key not in self._engines:
+            self._make_room(dtype)
             narrower = ssm_state_dtype is not None and parse_dtype(ssm_state_dtype).itemsize < dtype.itemsize
             options = EngineOptions(allow_long_context=True, ssm_state_dtype=ssm_state_dtype,
                                     max_num_batched_tokens=1 if narrower else ORACLE_STEP_TOKENS,
                                     engine_args={"gated_norm": self.gated_norm})
             self._engines[key] = ReferenceEngine(self.checkpoint, dtype=dtype, device=self.device, options=options)
         return self._engines[key]
+
+    def _make_room(self, dtype: torch.dtype) -> None:
+        """Before another reference model is loaded on a GPU, the ones loaded are closed (their results and errors
+        stay memoised) when the free memory would not hold the new one's weights with a quarter to spare: a 9.8B
+        model in fp64 (78 GB) beside its bf16 twins and the candidate does not fit one 141 GB GPU at once."""
+        if not self._engines or not _on_gpu(self.device):
+            return
+        need = ROOM_FACTOR * parameter_count(self.checkpoint) * dtype.itemsize
+        if _free_memory(self.device) < need:
+            self.close()
 
     def results(self, requests: Sequence[Request]) -> list[RequestResult]:
         """The fp64 oracle's results (every request together), in request order."""

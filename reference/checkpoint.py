@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -72,6 +73,19 @@ def _safetensors_files(path: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+
+
+def parameter_count(path: str | Path) -> int:
+    """How many numbers a checkpoint directory stores, from its safetensors headers (no tensor is read)."""
+    total = 0
+    for file in _safetensors_files(Path(path)):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    total += math.prod(handle.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: cannot read it as safetensors (truncated or corrupt?): {err}") from err
+    return total
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,61 @@
+"""The oracle on a GPU too small for all its reference models at once (a 9.8B model: 78 GB in fp64 beside its bf16
+twins and the candidate on one 141 GB H200): before loading another, it closes the ones it holds when the free
+memory would not hold the new one, and keeps every result and error it computed. The GPU is simulated (the free
+memory is what the test says); the decision and what survives it are what is checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from harness import runner
+from harness.engine import Request
+from harness.runner import ROOM_FACTOR, Oracle
+from reference.checkpoint import parameter_count, read_safetensors
+
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-bamba"
+REQUESTS = [Request("a", (1, 5, 9, 2, 7), 3), Request("b", (4, 4, 8), 2)]
+
+
+def test_parameter_count_reads_the_headers():
+    assert parameter_count(TINY) == sum(t.numel() for t in read_safetensors(TINY).values())
+
+
+def test_models_are_closed_only_when_the_next_would_not_fit(monkeypatch):
+    oracle = Oracle(TINY)
+    free = {"bytes": 0}
+    monkeypatch.setattr(runner, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(runner, "_free_memory", lambda device: free["bytes"])
+    runs = []
+    original = runner.ReferenceEngine.run
+
+    def counted(self, requests):
+        runs.append(self.dtype)
+        return original(self, requests)
+
+    monkeypatch.setattr(runner.ReferenceEngine, "run", counted)
+    baseline = oracle.results(REQUESTS)                                  # the fp64 model
+    fp32_need = ROOM_FACTOR * parameter_count(TINY) * 4
+    free["bytes"] = fp32_need                                           # room: the fp64 model stays
+    budget = oracle.budget(REQUESTS, torch.float32)
+    assert set(oracle._engines) == {(torch.float64, None), (torch.float32, None)}
+    free["bytes"] = fp32_need - 1                                       # no room for a bf16-state twin... of fp32
+    oracle.engine(torch.float32, "bfloat16")
+    assert set(oracle._engines) == {(torch.float32, "bfloat16")}, "the others were to be closed"
+    # what they computed is still there: asking again runs nothing
+    n = len(runs)
+    assert [r.prompt_logprobs.tolist() for r in oracle.results(REQUESTS)] == \
+        [r.prompt_logprobs.tolist() for r in baseline]
+    assert oracle.budget(REQUESTS, torch.float32).reference_error == budget.reference_error
+    assert len(runs) == n
+    oracle.close()
+
+
+def test_on_the_cpu_nothing_is_closed(monkeypatch):
+    monkeypatch.setattr(runner, "_free_memory", lambda device: 0)
+    oracle = Oracle(TINY)
+    oracle.engine()
+    oracle.engine(torch.float32)
+    assert len(oracle._engines) == 2
+    oracle.close()
