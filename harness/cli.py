@@ -399,12 +399,14 @@ def _write_model(args) -> int:
             print(f"scale {name}")
         for name in zoo.ZOO:
             print(f"zoo   {name}")
+        for name in zoo.GRANITE_ZOO:
+            print(f"zoo   {name} (GraniteMoeHybrid)")
         return 0
     if not args.name or not args.directory:
         raise UsageError("write-model: expected NAME DIRECTORY (names: `bamba-harness write-model --list`)")
-    if args.name not in scale.SCALE and args.name not in zoo.ZOO:
+    if args.name not in scale.SCALE and args.name not in zoo.ZOO and args.name not in zoo.GRANITE_ZOO:
         raise UsageError(f"write-model: unknown model {args.name!r}; expected one of "
-                         f"{', '.join([*scale.SCALE, *zoo.ZOO])}")
+                         f"{', '.join([*scale.SCALE, *zoo.ZOO, *zoo.GRANITE_ZOO])}")
     directory = Path(args.directory)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise UsageError(f"write-model: {directory} exists and is not an empty directory")

@@ -254,6 +254,8 @@ class Engine(abc.ABC):
     # The SSM state dtype the engine keeps when options.ssm_state_dtype is None; None: its run dtype. The excess
     # test's noise floor keeps the reference's state so (harness/compare.py).
     default_ssm_state_dtype: ClassVar[str | None] = None
+    # The model families (config.json model_type) the engine serves; a checkpoint of another is refused at once.
+    families: ClassVar[tuple[str, ...]] = ("bamba",)
 
     def __init__(self, checkpoint: str | Path, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", options: EngineOptions | None = None) -> None:
@@ -261,6 +263,9 @@ class Engine(abc.ABC):
         if not self.checkpoint.is_dir():
             raise FileNotFoundError(f"{self.checkpoint}: checkpoint directory does not exist")
         self.cfg = ModelConfig.from_json(self.checkpoint)
+        if self.cfg.model_type not in self.families:
+            raise UnsupportedOptions(self.name, [f"model_type {self.cfg.model_type!r}: {self.name} serves "
+                                                 f"{' and '.join(self.families)} checkpoints only"])
         self.dtype = parse_dtype(dtype) if dtype is not None else self.default_dtype
         self.device = torch.device(device)
         self.options = options or EngineOptions()

@@ -69,6 +69,46 @@ ZOO: dict[str, dict] = {
     "rms-eps0.1-pad-in-prompts": dict(rms_norm_eps=0.1, pad_token_id=5),
 }
 
+# GraniteMoeHybrid (docs/config-zoo.md): the same ground in that family's layout (layer_types, no attn_layer_indices,
+# the head dim from D / Hq), with a shared SwiGLU of 40 and 4 routed experts of 48, top-2, RoPE on the whole head
+# (the family's default), and multipliers away from 1 so that each one shows. Entries vary what the family adds.
+GRANITE_BASE: dict = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=48, shared_intermediate_size=40, num_hidden_layers=3,
+    num_attention_heads=2, num_key_value_heads=1, layer_types=["linear_attention", "full_attention",
+                                                                "linear_attention"],
+    mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+    mamba_chunk_size=8, max_position_embeddings=512, num_local_experts=4, num_experts_per_tok=2,
+    position_embedding_type="rope", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    embedding_multiplier=4.0, residual_multiplier=0.4, attention_multiplier=0.125, logits_scaling=0.75,
+)
+
+GRANITE_ZOO: dict[str, dict] = {
+    "granite-moe4-top2": dict(),
+    "granite-moe8-top1-nope-groups2": dict(num_local_experts=8, num_experts_per_tok=1, position_embedding_type="nope",
+                                           mamba_n_groups=2),
+    "granite-dense-tied-theta500": dict(num_local_experts=0, num_experts_per_tok=0, tie_word_embeddings=True,
+                                        embedding_multiplier=0.5, logits_scaling=2.0,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "granite-moe4-kv2-attention-first-dt-limit": dict(num_key_value_heads=2, time_step_limit=[0.15, 0.9],
+                                                      layer_types=["full_attention", "linear_attention",
+                                                                   "linear_attention"]),
+    # RoPE on half the head, as the Bamba → Granite conversion writes it for vLLM (which honours it)
+    "granite-rotary0.5": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.5}),
+}
+
+# Config shapes of the family's own that its suites must meet (beside the fields of FAMILY_ONLY).
+GRANITE_REQUIRED_SHAPES: dict[str, Callable[[ModelConfig], bool]] = {
+    "routed experts, top-1": lambda c: c.num_local_experts > 0 and c.num_experts_per_tok == 1,
+    "routed experts, top-2": lambda c: c.num_local_experts > 0 and c.num_experts_per_tok == 2,
+    "no routed experts (dense)": lambda c: c.num_local_experts == 0,
+    "NoPE": lambda c: not c.rope,
+    "RoPE": lambda c: c.rope,
+    "n_groups > 1": lambda c: c.mamba_n_groups > 1,
+    "every multiplier away from 1": lambda c: all(v != 1 for v in (c.embedding_multiplier, c.residual_multiplier,
+                                                                    c.attention_multiplier, c.logits_scaling)),
+}
+
 # Projections are N(0, MATRIX_SCALE² / fan_in) and the head N(0, HEAD_SCALE² / D): 0.2 and 0.6 at D = 32, and the
 # same output scale at any width (logits with a spread of a few nats whatever D is).
 MATRIX_SCALE, HEAD_SCALE = 1.13, 3.4
@@ -105,9 +145,13 @@ REQUIRED_SHAPES: dict[str, Callable[[ModelConfig], bool]] = {
 
 
 def config_dict(name: str) -> dict:
-    """config.json of a zoo entry: BASE, the entry's fields, and what transformers needs to recognise the model."""
+    """config.json of a zoo entry (ZOO or GRANITE_ZOO): its family's base, the entry's fields, and what transformers
+    needs to recognise the model."""
+    if name in GRANITE_ZOO:
+        return {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", **GRANITE_BASE,
+                **GRANITE_ZOO[name]}
     if name not in ZOO:
-        raise KeyError(f"zoo entry {name!r}: expected one of {', '.join(ZOO)}")
+        raise KeyError(f"zoo entry {name!r}: expected one of {', '.join([*ZOO, *GRANITE_ZOO])}")
     return {"architectures": ["BambaForCausalLM"], "model_type": "bamba", **BASE, **ZOO[name]}
 
 
@@ -117,7 +161,7 @@ def model_config(name: str) -> ModelConfig:
 
 def pad_token_id(name: str) -> int | None:
     """The pad token of an entry that puts it inside its prompts (an engine must treat it as any other token)."""
-    return ZOO[name].get("pad_token_id")
+    return {**ZOO, **GRANITE_ZOO}[name].get("pad_token_id")
 
 
 def prompt_source(name: str, *, seed: int = 0, count: int = 8, length: int = 64) -> PromptSource:
@@ -167,6 +211,8 @@ def iter_weights(cfg: ModelConfig, seed: int, *, ssm_scalars=zoo_ssm_scalars, de
             value = HEAD_SCALE / cfg.hidden_size ** 0.5 * randn(shape)
         elif len(shape) == 2 and key != "model.embed_tokens.weight":                 # projections (out, in)
             value = MATRIX_SCALE / shape[1] ** 0.5 * randn(shape)
+        elif ".block_sparse_moe." in key:                                            # experts (E, out, in)
+            value = MATRIX_SCALE / shape[2] ** 0.5 * randn(shape)
         else:                                                                        # embedding, conv taps
             value = 0.2 * randn(shape)
         yield key, value.to(dtype).cpu().contiguous()
@@ -186,3 +232,26 @@ def write_checkpoint(name: str, directory: str | Path, *, seed: int = 0) -> Path
     (directory / "config.json").write_text(json.dumps(raw, indent=1))
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def _fields_text(fields: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in fields.items()) or "(the base alone)"
+
+
+def _shape_text(cfg: ModelConfig) -> str:
+    layers = "".join("A" if kind == "attention" else "M" for kind in cfg.layer_types)
+    text = (f"Q={cfg.mamba_chunk_size} W={cfg.mamba_d_conv} G={cfg.mamba_n_groups} "
+            f"Hkv={cfg.num_key_value_heads}/{cfg.num_attention_heads} layers={layers}")
+    if cfg.granite:
+        experts = f"E={cfg.num_local_experts} top-{cfg.num_experts_per_tok}" if cfg.num_local_experts else "dense"
+        text += f" {experts} {'RoPE' if cfg.rope else 'NoPE'}"
+    return text
+
+
+def markdown(family: str = "bamba") -> str:
+    """The base and the entries of one family as docs/config-zoo.md shows them (a test keeps the page equal)."""
+    base, entries = (BASE, ZOO) if family == "bamba" else (GRANITE_BASE, GRANITE_ZOO)
+    lines = [f"Base: {_fields_text(base)}.", "", "| entry | fields over the base | shape |", "| --- | --- | --- |"]
+    lines += [f"| `{name}` | {_fields_text(fields)} | {_shape_text(model_config(name))} |"
+              for name, fields in entries.items()]
+    return "\n".join(lines)

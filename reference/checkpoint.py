@@ -16,22 +16,39 @@ class CheckpointError(ValueError):
     """A checkpoint whose tensors do not match what the config says the model has."""
 
 
+def key_names(cfg: ModelConfig) -> dict[str, str]:
+    """The two norms whose Hugging Face names differ between the families (everything else is named alike)."""
+    if cfg.granite:
+        return {"final_norm": "model.norm.weight", "ffn_norm": "post_attention_layernorm.weight"}
+    return {"final_norm": "model.final_layernorm.weight", "ffn_norm": "pre_ff_layernorm.weight"}
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model reads, by its Hugging Face key, with its shape."""
     D, V, I = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
     H, HP, C, W = cfg.mamba_n_heads, cfg.mamba_inner, cfg.conv_dim, cfg.mamba_d_conv
     Dh, Hq, Hkv = cfg.attn_head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.final_layernorm.weight": (D,)}
+    names = key_names(cfg)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), names["final_norm"]: (D,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
     for i, kind in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (D,)
-        shapes[p + "pre_ff_layernorm.weight"] = (D,)
-        for name, (out_f, in_f) in {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}.items():
-            shapes[p + f"feed_forward.{name}.weight"] = (out_f, in_f)
-            if cfg.mlp_bias:
-                shapes[p + f"feed_forward.{name}.bias"] = (out_f,)
+        shapes[p + names["ffn_norm"]] = (D,)
+        if cfg.granite:
+            S, E = cfg.shared_intermediate_size, cfg.num_local_experts
+            shapes[p + "shared_mlp.input_linear.weight"] = (2 * S, D)            # gate rows, then up rows
+            shapes[p + "shared_mlp.output_linear.weight"] = (D, S)
+            if E:
+                shapes[p + "block_sparse_moe.router.layer.weight"] = (E, D)
+                shapes[p + "block_sparse_moe.input_linear.weight"] = (E, 2 * I, D)
+                shapes[p + "block_sparse_moe.output_linear.weight"] = (E, D, I)
+        else:
+            for name, (out_f, in_f) in {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}.items():
+                shapes[p + f"feed_forward.{name}.weight"] = (out_f, in_f)
+                if cfg.mlp_bias:
+                    shapes[p + f"feed_forward.{name}.bias"] = (out_f,)
         if kind == "mamba":
             m = p + "mamba."
             shapes[m + "in_proj.weight"] = (cfg.in_proj_dim, D)

@@ -1,8 +1,10 @@
-"""The model configuration, read from a Hugging Face `config.json` (BambaConfig fields and defaults).
+"""The model configuration, read from a Hugging Face `config.json`: Bamba (`BambaConfig` fields and defaults) or
+GraniteMoeHybrid (`GraniteMoeHybridConfig`'s), the `model_type` saying which.
 
 Every field the model's arithmetic depends on is a typed attribute of `ModelConfig`; fields that do not change
 what the model computes (generation defaults, bookkeeping written by transformers) are accepted and dropped.
-Anything else is an error: a misspelt field silently taking its default is how an oracle goes quietly wrong.
+Anything else is an error: a misspelt field silently taking its default is how an oracle goes quietly wrong, and so
+is a field of the other family (a Bamba file with `embedding_multiplier` would otherwise be read as if it counted).
 """
 
 from __future__ import annotations
@@ -26,14 +28,36 @@ _IGNORED_FIELDS = frozenset({
     "problem_type", "tokenizer_class", "auto_map", "use_return_dict", "_attn_implementation_autoset",
 })
 
+# GraniteMoeHybrid fields that only routing and training read.
+_GRANITE_IGNORED_FIELDS = frozenset({"output_router_logits", "router_aux_loss_coef"})
+
+FAMILIES = ("bamba", "granitemoehybrid")
+# ModelConfig attributes that only one family's config.json may set; the other family's files leave them at the
+# defaults, which are what that family computes (and `model_type` itself says which family a file is).
+FAMILY_ONLY: dict[str, frozenset[str]] = {
+    "bamba": frozenset({"mlp_bias", "head_dim"}),
+    "granitemoehybrid": frozenset({"embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                   "logits_scaling", "num_local_experts", "num_experts_per_tok",
+                                   "shared_intermediate_size", "position_embedding_type"}),
+}
+# GraniteMoeHybridConfig's defaults where they differ from Bamba's (transformers 5.17): what a Granite file that
+# leaves a field out means. Its RoPE, when on, rotates the whole head unless rope_parameters says otherwise.
+_GRANITE_DEFAULTS: dict = dict(
+    vocab_size=32000, intermediate_size=11008, rms_norm_eps=1e-6, max_position_embeddings=2048,
+    mamba_d_state=256, partial_rotary_factor=1.0, num_local_experts=8, num_experts_per_tok=2,
+    shared_intermediate_size=1024, position_embedding_type=None, num_key_value_heads=None, attention_multiplier=1.0,
+)
+
 _MAMBA_TYPES = {"mamba", "linear_attention"}
 _ATTENTION_TYPES = {"attention", "full_attention"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Bamba hyper-parameters with the glossary's letters (docs/design.md §2) beside them."""
+    """Bamba and GraniteMoeHybrid hyper-parameters with the glossary's letters (docs/design.md §2) beside them.
+    Defaults are Bamba's; the Granite-only fields default to what Bamba computes (multipliers 1, no experts)."""
 
+    model_type: str = "bamba"                     # the family: "bamba" or "granitemoehybrid"
     vocab_size: int = 128000                      # V
     hidden_size: int = 4096                       # D
     intermediate_size: int = 14336                # MLP width
@@ -59,6 +83,17 @@ class ModelConfig:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, math.inf)
+    # GraniteMoeHybrid only (FAMILY_ONLY): h0 = embed·m_e; h += m_r·mixer and h += m_r·ffn; attention scale m_a
+    # (None: Dh^-½); logits / s; E routed experts (top-k of them per token) beside a shared SwiGLU of width S;
+    # RoPE or none (NoPE) in the attention layers.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    num_local_experts: int = 0                    # E (0: the shared MLP alone)
+    num_experts_per_tok: int = 0                  # top-k
+    shared_intermediate_size: int | None = None   # S (Bamba: its MLP is intermediate_size wide)
+    position_embedding_type: str | None = "rope"  # "rope" or None (NoPE)
     extra_ignored: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +107,18 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:                   # R: rotated dims of each attention head (NeoX rotate-half)
         return int(self.attn_head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:            # Dh^-½ unless the config sets attention_multiplier
+        return self.attn_head_dim ** -0.5 if self.attention_multiplier is None else self.attention_multiplier
+
+    @property
+    def rope(self) -> bool:                        # False: NoPE (GraniteMoeHybrid with position_embedding_type None)
+        return self.position_embedding_type == "rope"
+
+    @property
+    def granite(self) -> bool:
+        return self.model_type == "granitemoehybrid"
 
     @property
     def mamba_head_dim(self) -> int:               # P
@@ -105,6 +152,8 @@ class ModelConfig:
 
     # ---- validation ----------------------------------------------------------------------------------------
     def _validate(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ConfigError(f"model_type: expected one of {list(FAMILIES)}, got {self.model_type!r}")
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
                     "mamba_expand", "mamba_chunk_size", "max_position_embeddings")
@@ -144,25 +193,66 @@ class ModelConfig:
             raise ConfigError(f"time_step_limit: expected 0 <= low <= high, got {self.time_step_limit}")
         if self.rms_norm_eps <= 0:
             raise ConfigError(f"rms_norm_eps: expected > 0, got {self.rms_norm_eps}")
+        self._validate_granite()
+
+    def _validate_granite(self) -> None:
+        E, k = self.num_local_experts, self.num_experts_per_tok
+        for name in ("num_local_experts", "num_experts_per_tok"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
+        if E and not 1 <= k <= E:
+            raise ConfigError(f"num_experts_per_tok = {k}: expected 1..num_local_experts = {E}")
+        if self.granite and (not isinstance(self.shared_intermediate_size, int)
+                             or isinstance(self.shared_intermediate_size, bool) or self.shared_intermediate_size < 1):
+            raise ConfigError(f"shared_intermediate_size: expected a positive integer, got "
+                              f"{self.shared_intermediate_size!r}")
+        if self.position_embedding_type not in ("rope", None):
+            raise ConfigError(f"position_embedding_type: expected 'rope' or none (NoPE), got "
+                              f"{self.position_embedding_type!r}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected a number, got {getattr(self, name)!r}")
+        if self.logits_scaling == 0:
+            raise ConfigError("logits_scaling: the logits are divided by it, got 0")
+        if not self.granite:
+            moved = [f for f in sorted(FAMILY_ONLY["granitemoehybrid"])
+                     if getattr(self, f) != getattr(ModelConfig, f, None)]
+            if moved:
+                raise ConfigError(f"{moved}: GraniteMoeHybrid fields in a {self.model_type} config")
 
     # ---- reading -------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         """Build from the fields of a config.json; unknown or contradictory fields raise ConfigError."""
         raw = dict(raw)
-        if raw.get("model_type", "bamba") != "bamba":
-            raise ConfigError(f"model_type: expected 'bamba', got {raw['model_type']!r}")
+        family = raw.pop("model_type", "bamba")
+        if family not in FAMILIES:
+            raise ConfigError(f"model_type: expected one of {list(FAMILIES)}, got {family!r}")
         if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act: only 'silu' is defined for Bamba, got {raw['hidden_act']!r}")
+            raise ConfigError(f"hidden_act: only 'silu' is defined for {family}, got {raw['hidden_act']!r}")
         raw.pop("hidden_act", None)
-        kwargs: dict = {}
-        known = {f for f in cls.__dataclass_fields__ if f != "extra_ignored"}
+        kwargs: dict = {"model_type": family}
+        other = next(f for f in FAMILIES if f != family)
+        known = {f for f in cls.__dataclass_fields__ if f not in ("extra_ignored", "model_type")} - FAMILY_ONLY[other]
+        foreign = sorted(k for k in raw if k in FAMILY_ONLY[other] or (family == "granitemoehybrid"
+                                                                       and k == "attn_layer_indices"))
+        if foreign:
+            why = ("GraniteMoeHybrid places attention by layer_types and derives the head dim as hidden_size // heads"
+                   if family == "granitemoehybrid" else "BambaConfig has no multipliers, experts or NoPE")
+            raise ConfigError(f"{foreign}: not {family} config fields ({why})")
+        if family == "granitemoehybrid":
+            raw = {**_GRANITE_DEFAULTS, **raw}
+            if raw["position_embedding_type"] == "nope":        # Granite 4.0-H files spell NoPE so
+                raw["position_embedding_type"] = None
+            for name in _GRANITE_IGNORED_FIELDS & set(raw):
+                raw.pop(name)
 
         # RoPE: transformers 5.x keeps it in rope_parameters; older files have top-level rope_theta.
         rope = raw.pop("rope_parameters", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ConfigError(f"rope_parameters.rope_type: only 'default' RoPE is defined for Bamba, got {rope_type!r}")
+            raise ConfigError(f"rope_parameters.rope_type: only 'default' RoPE is defined here, got {rope_type!r}")
         unknown_rope = set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
         if unknown_rope:
             raise ConfigError(f"rope_parameters: unknown fields {sorted(unknown_rope)}")
@@ -208,7 +298,8 @@ class ModelConfig:
         ignored = sorted(k for k in raw if k in _IGNORED_FIELDS)
         unknown = sorted(k for k in raw if k not in _IGNORED_FIELDS and k not in known)
         if unknown:
-            raise ConfigError(f"unknown config fields {unknown}: not BambaConfig fields (a typo would otherwise "
+            kind = "BambaConfig" if family == "bamba" else "GraniteMoeHybridConfig"
+            raise ConfigError(f"unknown config fields {unknown}: not {kind} fields (a typo would otherwise "
                               "silently take the default)")
         for key in known & set(raw):
             kwargs[key] = raw[key]

@@ -1,4 +1,4 @@
-"""The oracle: a readable Bamba forward pass with an explicit per-sequence state.
+"""The oracle: a readable Bamba (and GraniteMoeHybrid) forward pass with an explicit per-sequence state.
 
 One entry point, `BambaReference.forward_batch(pieces, states)`: each piece is the next tokens of one sequence, each
 state what that sequence has seen so far; it returns each piece's logits and the new states (the inputs are not
@@ -7,6 +7,11 @@ its full state: the mamba conv window and SSM state, and the attention keys/valu
 into one token stream, the way an engine batches, and each mixer keeps the sequences apart by `cu_seqlens`.
 
 Runs in fp64 by default (fp32 or lower on request), on any device torch supports.
+
+GraniteMoeHybrid is the same network with a different feed-forward block and a few scalars (reference/README.md):
+its embedding, residual branches and logits are scaled by config multipliers, its attention scale is a config value,
+its attention may have no RoPE at all, and its feed-forward is a shared SwiGLU plus, optionally, a mixture of routed
+SwiGLU experts. One class computes both; `cfg.model_type` chooses the block and the names.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import check_weights, load_checkpoint
+from .checkpoint import check_weights, key_names, load_checkpoint
 from .config import ModelConfig
 from .ops import (
     causal_conv1d_ref,
     gqa_attention_ref,
+    moe_ref,
     rms_norm_gated_ref,
     rms_norm_ref,
     rotary_ref,
@@ -51,7 +57,7 @@ class SequenceState:
 
 
 class BambaReference:
-    """Bamba in plain PyTorch. weights: Hugging Face key -> tensor (checked against the config)."""
+    """Bamba or GraniteMoeHybrid in plain PyTorch. weights: Hugging Face key -> tensor (checked against the config)."""
 
     def __init__(
         self,
@@ -119,18 +125,20 @@ class BambaReference:
         cu_seqlens = torch.tensor([0] + lengths, device=self.device).cumsum(0)       # (B+1,)
         new_states = [SequenceState(length=s.length + n) for s, n in zip(states, lengths)]
 
-        h = F.embedding(torch.cat(tokens), self.w["model.embed_tokens.weight"])      # (T, D)
-        for i, kind in enumerate(self.cfg.layer_types):
+        cfg, names = self.cfg, key_names(self.cfg)
+        m_r = cfg.residual_multiplier                                                # 1 for Bamba
+        h = F.embedding(torch.cat(tokens), self.w["model.embed_tokens.weight"]) * cfg.embedding_multiplier  # (T, D)
+        for i, kind in enumerate(cfg.layer_types):
             p = f"model.layers.{i}."
-            normed = rms_norm_ref(h, self.w[p + "input_layernorm.weight"], self.cfg.rms_norm_eps)
+            normed = rms_norm_ref(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             if kind == "mamba":
-                h = h + self._mamba(i, normed, cu_seqlens, states, new_states)
+                h = h + m_r * self._mamba(i, normed, cu_seqlens, states, new_states)
             else:
-                h = h + self._attention(i, normed, cu_seqlens, states, new_states)
-            normed = rms_norm_ref(h, self.w[p + "pre_ff_layernorm.weight"], self.cfg.rms_norm_eps)
-            h = h + self._mlp(i, normed)
-        h = rms_norm_ref(h, self.w["model.final_layernorm.weight"], self.cfg.rms_norm_eps)
-        logits = F.linear(h, self.w["lm_head.weight"])                                # (T, V)
+                h = h + m_r * self._attention(i, normed, cu_seqlens, states, new_states)
+            normed = rms_norm_ref(h, self.w[p + names["ffn_norm"]], cfg.rms_norm_eps)
+            h = h + m_r * (self._granite_ffn(i, normed) if cfg.granite else self._mlp(i, normed))
+        h = rms_norm_ref(h, self.w[names["final_norm"]], cfg.rms_norm_eps)
+        logits = F.linear(h, self.w["lm_head.weight"]) / cfg.logits_scaling           # (T, V)
         return list(logits.split(lengths)), new_states
 
     def _check_piece(self, b: int, piece, state: SequenceState) -> torch.Tensor:
@@ -188,11 +196,13 @@ class BambaReference:
         for b, (state, new) in enumerate(zip(states, new_states)):
             start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
             positions = torch.arange(state.length, state.length + end - start, device=self.device)
-            q_b = rotary_ref(q[start:end], positions, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
-            k_b = rotary_ref(k[start:end], positions, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
+            q_b, k_b = q[start:end], k[start:end]
+            if cfg.rope:                                                        # NoPE: positions enter nowhere
+                q_b = rotary_ref(q_b, positions, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
+                k_b = rotary_ref(k_b, positions, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
             new.keys[i] = torch.cat([state.keys[i], k_b])                         # (L, Hkv, Dh)
             new.values[i] = torch.cat([state.values[i], v[start:end]])
-            out[start:end] = gqa_attention_ref(q_b, new.keys[i], new.values[i], scale=Dh ** -0.5)
+            out[start:end] = gqa_attention_ref(q_b, new.keys[i], new.values[i], scale=cfg.attention_scale)
         return F.linear(out.reshape(-1, Hq * Dh), self.w[p + "o_proj.weight"], self.w.get(p + "o_proj.bias"))
 
     def _mlp(self, i, x) -> torch.Tensor:
@@ -200,6 +210,17 @@ class BambaReference:
         w = self.w
         return swiglu_ref(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"],
                           w.get(p + "gate_proj.bias"), w.get(p + "up_proj.bias"), w.get(p + "down_proj.bias"))
+
+    def _granite_ffn(self, i, x) -> torch.Tensor:
+        """GraniteMoeHybrid's feed-forward: the shared SwiGLU, plus the routed experts when there are any."""
+        p = f"model.layers.{i}."
+        gate, up = self.w[p + "shared_mlp.input_linear.weight"].chunk(2)           # gate rows first
+        out = swiglu_ref(x, gate, up, self.w[p + "shared_mlp.output_linear.weight"])
+        if self.cfg.num_local_experts:
+            out = out + moe_ref(x, self.w[p + "block_sparse_moe.router.layer.weight"],
+                                self.w[p + "block_sparse_moe.input_linear.weight"],
+                                self.w[p + "block_sparse_moe.output_linear.weight"], top_k=self.cfg.num_experts_per_tok)
+        return out
 
     # ---- conveniences built on forward --------------------------------------------------------------------
     def prompt_logprobs(self, token_ids) -> torch.Tensor:

@@ -327,3 +327,25 @@ def gqa_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
 def swiglu_ref(x: torch.Tensor, gate_w, up_w, down_w, gate_b=None, up_b=None, down_b=None) -> torch.Tensor:
     """Bamba's MLP: down(silu(gate(x)) · up(x)). x (T, D); gate_w, up_w (I, D); down_w (D, I)."""
     return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+
+
+def moe_ref(x: torch.Tensor, router_w: torch.Tensor, experts_in: torch.Tensor, experts_out: torch.Tensor, *,
+            top_k: int) -> torch.Tensor:
+    """GraniteMoeHybrid's routed experts. x (T, D); router_w (E, D); experts_in (E, 2I, D): each expert's gate rows,
+    then its up rows; experts_out (E, D, I).
+
+    Each token goes to the top_k experts by router logit (logits in at least fp32, as engines compute them; equal
+    logits go to the lower expert index), weighted by the softmax of those top_k logits alone (the weights of a token
+    sum to 1; the other experts' logits do not enter), and each expert is a SwiGLU: out_e(silu(gate_e·x) · up_e·x).
+    """
+    wide = torch.promote_types(x.dtype, torch.float32)
+    logits = F.linear(x.to(wide), router_w.to(wide))                                # (T, E)
+    ranked = torch.sort(logits, dim=-1, descending=True, stable=True)               # stable: ties by lower index
+    chosen, weights = ranked.indices[:, :top_k], torch.softmax(ranked.values[:, :top_k], dim=-1).to(x.dtype)
+    out = torch.zeros_like(x)                                                       # (T, D)
+    for e in range(router_w.shape[0]):
+        tokens, slot = (chosen == e).nonzero(as_tuple=True)                         # who picked expert e, as which
+        if tokens.numel():
+            gate, up = experts_in[e].chunk(2)
+            out.index_add_(0, tokens, swiglu_ref(x[tokens], gate, up, experts_out[e]) * weights[tokens, slot, None])
+    return out

@@ -24,6 +24,7 @@ from ..schedule import Piece, RequestShape, plan_options, plan_steps
 class ReferenceEngine(Engine):
     name = "reference"
     default_dtype = torch.float64
+    families = ("bamba", "granitemoehybrid")
     engine_arg_names = frozenset({"gated_norm"})
     has_scheduler = True
 

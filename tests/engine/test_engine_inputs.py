@@ -67,3 +67,16 @@ def test_integral_numpy_and_tensor_token_ids_are_accepted(engine):
     engine.add_request("n", prompt, 0)
     (seq,) = engine.scheduler.waiting
     assert seq.prompt == [1, 2, 3, 4, 5] and all(type(t) is int for t in seq.prompt)
+
+
+def test_a_granite_checkpoint_is_refused_by_name(tmp_path):
+    """The engine serves Bamba only: a GraniteMoeHybrid checkpoint is an error naming its model_type, before any
+    weight is read, and the harness adapter reports the engine as not serving that family."""
+    from harness import zoo
+    from harness.adapters.vendored import VendoredEngine
+    from harness.engine import UnsupportedOptions
+    path = zoo.write_checkpoint("granite-moe4-top2", tmp_path)
+    with pytest.raises(EngineError, match="model_type 'granitemoehybrid': this engine serves Bamba"):
+        LLMEngine(path, max_model_len=32)
+    with pytest.raises(UnsupportedOptions, match="model_type 'granitemoehybrid': vendored serves bamba"):
+        VendoredEngine(path)

@@ -78,6 +78,9 @@ def test_write_model_command(tmp_path, capsys):
     assert cli.main(["write-model", "--list"]) == 0
     listed = capsys.readouterr().out
     assert "scale bamba9b-2layer" in listed and "zoo   pure-mamba2" in listed
+    assert "zoo   granite-moe4-top2 (GraniteMoeHybrid)" in listed
+    assert cli.main(["write-model", "granite-moe4-top2", str(tmp_path / "g")]) == 0
+    assert '"model_type": "granitemoehybrid"' in (tmp_path / "g" / "config.json").read_text()
     assert cli.main(["write-model", "pure-mamba2", str(tmp_path / "z")]) == 0
     assert (tmp_path / "z" / "model.safetensors").is_file()
     assert cli.main(["write-model", "pure-mamba2", str(tmp_path / "z")]) == cli.EXIT_USAGE     # not empty

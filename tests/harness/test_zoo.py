@@ -47,3 +47,12 @@ def test_half_the_heads_decay_slowly():
     cfg = zoo.model_config("pure-mamba2")
     A = -torch.exp(zoo.draw_weights(cfg, 0)["model.layers.0.mamba.A_log"])
     assert ((A.abs() <= 0.2).sum() == cfg.mamba_n_heads // 2) and (A.abs() >= 1).sum() == cfg.mamba_n_heads // 2
+
+
+def test_the_docs_show_the_zoo_as_it_is():
+    """docs/config-zoo.md's tables are zoo.markdown(family): an entry added, removed or changed shows there."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "config-zoo.md").read_text()
+    for family in ("bamba", "granitemoehybrid"):
+        assert zoo.markdown(family) in page, f"docs/config-zoo.md: regenerate the {family} table (zoo.markdown)"

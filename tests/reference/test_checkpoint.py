@@ -75,3 +75,27 @@ def test_tied_config_with_a_different_head_is_an_error(tmp_path):
                    lambda t: {**t, "lm_head.weight": torch.randn_like(t["model.embed_tokens.weight"])})
     with pytest.raises(CheckpointError, match="lm_head.weight: tie_word_embeddings is true"):
         load_checkpoint(bad)
+
+
+def test_a_granite_checkpoint_is_checked_by_its_own_names(tmp_path):
+    """GraniteMoeHybrid keys (experts, router, shared MLP, its norm names) are what its config expects: one missing
+    or a Bamba key among them is an error naming it."""
+    from harness import zoo
+    from reference.checkpoint import CheckpointError, check_weights, read_safetensors
+    from reference.config import ModelConfig
+
+    path = zoo.write_checkpoint("granite-moe4-top2", tmp_path)
+    cfg, tensors = ModelConfig.from_json(path), read_safetensors(path)
+    assert tensors["model.layers.0.block_sparse_moe.input_linear.weight"].shape == (4, 2 * 48, 64)
+    check_weights(cfg, tensors)
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.block_sparse_moe.router.layer.weight"}
+    with pytest.raises(CheckpointError, match=r"model.layers.1.block_sparse_moe.router.layer.weight: missing"):
+        check_weights(cfg, missing)
+    bamba_named = dict(tensors)
+    bamba_named["model.final_layernorm.weight"] = bamba_named.pop("model.norm.weight")
+    with pytest.raises(CheckpointError, match="model.norm.weight: missing"):
+        check_weights(cfg, bamba_named)
+    wrong = dict(tensors)
+    wrong["model.layers.2.block_sparse_moe.output_linear.weight"] = torch.zeros(4, 48, 64)      # (E, I, D) swapped
+    with pytest.raises(CheckpointError, match=r"output_linear.weight: expected shape \(4, 64, 48\)"):
+        check_weights(cfg, wrong)

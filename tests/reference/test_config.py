@@ -61,7 +61,7 @@ def test_generic_fields_written_by_transformers_are_accepted(tmp_path):
     ({"attn_layer_indices": [4]}, "outside [0, 4)"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "only 'default' RoPE"),
     ({"hidden_act": "gelu"}, "only 'silu'"),
-    ({"model_type": "mamba2"}, "expected 'bamba'"),
+    ({"model_type": "mamba2"}, "model_type: expected one of ['bamba', 'granitemoehybrid'], got 'mamba2'"),
     ({"time_step_limit": [1.0, 0.5]}, "0 <= low <= high"),
     ({"mamba_n_heads": 0}, "mamba_n_heads: expected a positive integer"),
 ], ids=["heads-times-headdim", "heads-vs-groups", "q-vs-kv-heads", "unknown-field", "layer-types-contradict",
@@ -88,3 +88,69 @@ def test_agrees_with_transformers_on_derived_sizes(tmp_path):
     assert list(cfg.layer_types) == ["attention" if t == "full_attention" else "mamba" for t in hf.layers_block_type]
     assert (cfg.rope_theta, cfg.partial_rotary_factor) == (321.0, 1.0)
     assert cfg.time_step_limit == tuple(hf.time_step_limit)
+
+
+# ---- GraniteMoeHybrid -------------------------------------------------------------------------------------------
+GRANITE = dict(model_type="granitemoehybrid", hidden_size=64, num_attention_heads=4, mamba_n_heads=8,
+               num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"])
+
+
+def test_granite_defaults_are_transformers_defaults(tmp_path):
+    """A Granite file that leaves a field out means GraniteMoeHybridConfig's default, not Bamba's: written by
+    transformers itself (only the sizes given), read back, compared field by field."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GraniteMoeHybridConfig(**{k: v for k, v in GRANITE.items() if k != "model_type"})
+    hf.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for name in ("vocab_size", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "mamba_d_state",
+                 "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "attention_multiplier"):
+        raw.pop(name, None)                            # absent from the file: the reader's defaults must agree
+    raw.pop("position_embedding_type", None)
+    raw.pop("num_key_value_heads", None)
+    raw.pop("rope_parameters", None)
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.model_type == "granitemoehybrid" and cfg.granite
+    for name in ("vocab_size", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "mamba_d_state",
+                 "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "attention_multiplier",
+                 "embedding_multiplier", "residual_multiplier", "logits_scaling", "num_key_value_heads"):
+        assert getattr(cfg, name) == getattr(hf, name), name
+    assert cfg.position_embedding_type is None and not cfg.rope          # NoPE unless the file says "rope"
+    assert cfg.attention_scale == 1.0                                    # Granite's default multiplier, not Dh^-½
+    assert cfg.partial_rotary_factor == 1.0 and cfg.rope_theta == 10000.0
+    assert cfg.layer_types == ("mamba", "attention", "mamba")
+
+
+def test_granite_nope_spelling_and_rope():
+    assert ModelConfig.from_dict({**GRANITE, "position_embedding_type": "nope"}).rope is False
+    assert ModelConfig.from_dict({**GRANITE, "position_embedding_type": None}).rope is False
+    assert ModelConfig.from_dict({**GRANITE, "position_embedding_type": "rope"}).rope is True
+    assert ModelConfig.from_dict(BASE).rope is True and ModelConfig.from_dict(BASE).attention_scale == 16 ** -0.5
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({**BASE, "embedding_multiplier": 2.0}, r"\['embedding_multiplier'\]: not bamba config fields"),
+    ({**BASE, "num_local_experts": 4}, r"\['num_local_experts'\]: not bamba config fields"),
+    ({**GRANITE, "mlp_bias": True}, r"\['mlp_bias'\]: not granitemoehybrid config fields"),
+    ({**GRANITE, "head_dim": 8}, r"\['head_dim'\]: not granitemoehybrid config fields"),
+    ({**GRANITE, "attn_layer_indices": [1]}, r"\['attn_layer_indices'\]: not granitemoehybrid config fields"),
+    ({**GRANITE, "num_local_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok = 3: expected 1..num_local_experts = 2"),
+    ({**GRANITE, "num_local_experts": 2, "num_experts_per_tok": 0}, "num_experts_per_tok = 0: expected 1..num_local_experts = 2"),
+    ({**GRANITE, "position_embedding_type": "alibi"}, "position_embedding_type: expected 'rope' or none"),
+    ({**GRANITE, "shared_intermediate_size": 0}, "shared_intermediate_size: expected a positive integer"),
+    ({**GRANITE, "logits_scaling": 0}, "logits_scaling: the logits are divided by it"),
+    ({**GRANITE, "model_type": "granitemoe"}, "model_type: expected one of"),
+    ({**GRANITE, "router_jitter": 0.1}, r"unknown config fields \['router_jitter'\]: not GraniteMoeHybridConfig"),
+])
+def test_granite_fields_are_checked(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(fields)
+
+
+def test_granite_training_only_fields_are_accepted():
+    cfg = ModelConfig.from_dict({**GRANITE, "output_router_logits": True, "router_aux_loss_coef": 0.01})
+    assert cfg.num_local_experts == 8
+
+
+def test_granite_fields_cannot_be_set_on_a_bamba_config_directly():
+    with pytest.raises(ConfigError, match=r"\['logits_scaling'\]: GraniteMoeHybrid fields in a bamba config"):
+        ModelConfig(logits_scaling=2.0)

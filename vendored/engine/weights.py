@@ -52,6 +52,10 @@ class EngineModelConfig:
 def read_config(path: Path) -> EngineModelConfig:
     if not (path / "config.json").is_file():
         raise LoadError(f"{path}: no config.json (is this a checkpoint directory?)")
+    model_type = json.loads((path / "config.json").read_text()).get("model_type", "bamba")
+    if model_type != "bamba":
+        raise LoadError(f"{path}: model_type {model_type!r}: this engine serves Bamba checkpoints (model_type "
+                        "'bamba') only")
     from transformers import BambaConfig
 
     hf = BambaConfig.from_pretrained(str(path))
