@@ -26,6 +26,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 class VendoredEngine(Engine):
     name = "vendored"
     default_dtype = torch.float32
+    families = ("bamba", "granitemoehybrid")
     engine_arg_names = frozenset({"parallel_timeout_s"})
     has_scheduler = True
     default_ssm_state_dtype = "float32"                 # vendored/engine: the state pool is fp32 unless told

@@ -172,3 +172,26 @@ def test_graphs_on_match_graphs_off(device_dtype, tiny_oracle, tiny_prompts):
     report = check_relative(engine_class(device), replace(on, needs_cuda=False), baseline_options=off.options,
                             oracle=tiny_oracle, source=tiny_prompts, dtype=dtype, device=device)
     assert report.passed, report.message()
+
+
+@pytest.mark.parametrize("device_dtype", DEVICES)
+@pytest.mark.parametrize("name", ["granite-moe4-top2", "granite-moe8-top1-nope-groups2"])
+def test_granite_experts_in_the_static_decode_step(name, device_dtype, tmp_path):
+    """GraniteMoeHybrid's routed experts in the padded static step (every expert on every row, the unchosen weighted
+    0, so that the shapes do not depend on the routing): eight requests decoding together, padded to 8, against the
+    oracle, top-1 and top-2 routing."""
+    from harness import zoo
+    from harness.runner import Oracle
+
+    device, dtype = device_dtype
+    path = zoo.write_checkpoint(name, tmp_path)
+    oracle = Oracle(path)
+    source = zoo.prompt_source(name)
+    requests = [Request(f"r{i}", tuple(source.tokens(5 + i, i)), 6) for i in range(7)]
+    options = EngineOptions(cuda_graphs=True, max_num_seqs=8)
+    results, (launches, padding_rows, _) = run_counted(device, dtype, oracle, requests, options)
+    report = compare_runs(scenario=f"{name}-static-decode", requests=requests, baseline=oracle.results(requests),
+                          candidate=results, budget=oracle.budget(requests, dtype))
+    assert report.passed, report.message()
+    assert 8 in launches and padding_rows > 0, f"padded sizes run: {launches}, padding rows {padding_rows}"
+    oracle.close()

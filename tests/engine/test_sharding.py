@@ -92,3 +92,31 @@ def test_problems_name_the_size_that_does_not_divide():
                                                  (7, 3, [(0, 3), (3, 5), (5, 7)]), (2, 1, [(0, 2)])])
 def test_stages_split_the_layers_contiguously(layers, pp, expected):
     assert [(r.start, r.stop) for r in (stage_layers(layers, pp, s) for s in range(pp))] == expected
+
+
+def test_granite_slices_split_each_expert_and_the_shared_mlp_by_channel():
+    """GraniteMoeHybrid under tp 2: the shared MLP's stacked gate|up rows and every expert's gate|up rows are cut per
+    half (the rank's channels of each), the output projections by the same channels, the router and the norms
+    whole; a shared width that does not divide is a named problem."""
+    E, I, S, D = 3, 6, 4, 8
+    cfg = replace(CFG, family="granitemoehybrid", num_experts=E, experts_per_tok=2, intermediate_size=I,
+                  shared_intermediate_size=S)
+    p = "model.layers.0."
+    ckpt = {p + "shared_mlp.input_linear.weight": _numbered((2 * S, D)),
+            p + "shared_mlp.output_linear.weight": _numbered((S, D)).T.contiguous(),            # columns numbered
+            p + "block_sparse_moe.input_linear.weight": _numbered((2 * I, E, D)).transpose(0, 1).contiguous(),
+            p + "block_sparse_moe.output_linear.weight": _numbered((I, E, D)).permute(1, 2, 0).contiguous(),
+            p + "block_sparse_moe.router.layer.weight": _numbered((E, D)),
+            p + "post_attention_layernorm.weight": torch.ones(D), "model.norm.weight": torch.ones(D)}
+    shard = plan_shard(cfg, I, 2, 1)
+    got = shard_tensors(cfg, ckpt.get, shard, range(0, 2))
+    assert got[p + "shared_mlp.input_linear.weight"][:, 0].tolist() == [2, 3, 6, 7]         # gate 2-3, up 2-3
+    assert got[p + "shared_mlp.output_linear.weight"][0].tolist() == [2, 3]
+    for e in range(E):
+        assert got[p + "block_sparse_moe.input_linear.weight"][e, :, 0].tolist() == [3, 4, 5, 9, 10, 11]
+        assert got[p + "block_sparse_moe.output_linear.weight"][e, 0].tolist() == [3, 4, 5]
+    router = p + "block_sparse_moe.router.layer.weight"
+    assert torch.equal(got[router], ckpt[router])
+    assert "model.norm.weight" in got and p + "post_attention_layernorm.weight" in got
+    assert parallel_problems(replace(cfg, shared_intermediate_size=5), I, 2, 1) == [
+        "shared_intermediate_size = 5 is not divisible by tensor_parallel_size = 2"]

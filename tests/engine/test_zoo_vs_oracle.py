@@ -1,4 +1,4 @@
-"""The vendored engine against the fp64 oracle on every model of the config zoo (harness/zoo.py).
+"""The vendored engine against the fp64 oracle on every model of the config zoo (harness/zoo.py), both families.
 
 `make test` runs each zoo model through one scenario that has it all: prompts split into pieces that continue from a
 saved state (two of them in one step), decodes in the same steps, a request arriving mid-run and greedy generation
@@ -20,10 +20,9 @@ from harness.runner import Oracle, ScenarioSkipped, check_scenario
 from harness.scenarios import build_scenarios
 
 # The zoo entries this suite runs, and the scenario each runs in `make test` (its id for the model's chunk size Q).
-ENGINE_ZOO = list(zoo.ZOO)
-# The model families the vendored engine serves: the coverage test holds this suite to the config fields of these
-# families only (GraniteMoeHybrid checkpoints are refused by the engine, tests/engine/test_engine_inputs.py).
-ENGINE_FAMILIES = ("bamba",)
+ENGINE_ZOO = list(zoo.ZOO) + list(zoo.GRANITE_ZOO)
+# The model families the vendored engine serves: the coverage test holds this suite to the config fields of these.
+ENGINE_FAMILIES = ("bamba", "granitemoehybrid")
 ZOO_SMOKE = "chunked_prefill-capped"
 ZOO_MATRIX_KINDS = ("batching", "chunked_prefill", "ssm_state_dtype", "preemption", "tp")
 ZOO_MATRIX_TP = (1, 2)          # tensor-parallel sizes of the matrix (4 and 8 run on the tiny model only)

@@ -83,25 +83,27 @@ class BambaEngineModel:
         return self.logits(self.run_layers(self.embed(batch), batch, states, kv), batch)
 
     def embed(self, batch: StepBatch) -> torch.Tensor:
-        return F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])             # (T, D)
+        h = F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])                # (T, D)
+        return h * self.cfg.embedding_multiplier if self.cfg.embedding_multiplier != 1 else h
 
     def run_layers(self, h: torch.Tensor, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
         """The residual stream h (T, D) through this instance's layers."""
         cfg = self.cfg
+        m_r = cfg.residual_multiplier
         for i in self.layers:
             p = f"model.layers.{i}."
             x = _rms_norm(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            if i in cfg.attn_layers:
-                h = h + self._attention(i, x, batch, kv)
-            else:
-                h = h + self._mamba(i, x, batch, states)
-            x = _rms_norm(h, self.w[p + "pre_ff_layernorm.weight"], cfg.rms_norm_eps)
-            h = h + self._mlp(i, x)
+            mixed = self._attention(i, x, batch, kv) if i in cfg.attn_layers else self._mamba(i, x, batch, states)
+            h = h + (mixed * m_r if m_r != 1 else mixed)
+            x = _rms_norm(h, self.w[p + cfg.ffn_norm_suffix], cfg.rms_norm_eps)
+            ffn = self._granite_ffn(i, x, batch) if cfg.granite else self._mlp(i, x)
+            h = h + (ffn * m_r if m_r != 1 else ffn)
         return h
 
     def logits(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        h = _rms_norm(h[batch.logits_rows], self.w["model.final_layernorm.weight"], self.cfg.rms_norm_eps)
-        return F.linear(h, self.w["lm_head.weight"]).float()
+        h = _rms_norm(h[batch.logits_rows], self.w[self.cfg.final_norm_key], self.cfg.rms_norm_eps)
+        logits = F.linear(h, self.w["lm_head.weight"]).float()
+        return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1 else logits
 
     def _linear(self, x, name):
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -151,8 +153,10 @@ class BambaEngineModel:
         return self._output_linear(y, p + "out_proj")
 
     def _rope(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """NeoX rotate-half on the first R dims of each head. t (T, heads, Dh)."""
+        """NeoX rotate-half on the first R dims of each head (none: NoPE). t (T, heads, Dh)."""
         R = self.cfg.rotary_dim
+        if R == 0:
+            return t
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]               # (T, 1, R)
         rot = t[..., :R].float()
         half = torch.cat([-rot[..., R // 2:], rot[..., : R // 2]], dim=-1)
@@ -161,6 +165,7 @@ class BambaEngineModel:
     def _attention(self, i: int, x: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         cfg, p = self.cfg, f"model.layers.{i}.self_attn."
         Hq, Hkv, Dh = cfg.num_q_heads, cfg.num_kv_heads, cfg.attn_head_dim
+        scale = Dh ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         q = self._rope(self._linear(x, p + "q_proj").reshape(-1, Hq, Dh), batch.positions)   # (T, Hq, Dh)
         k = self._rope(self._linear(x, p + "k_proj").reshape(-1, Hkv, Dh), batch.positions)  # (T, Hkv, Dh)
         v = self._linear(x, p + "v_proj").reshape(-1, Hkv, Dh)
@@ -169,7 +174,7 @@ class BambaEngineModel:
         v_cache.index_copy_(0, batch.kv_slot_mapping, v)
         if batch.static_decode:
             out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                         block_size=kv.block_size, scale=Dh ** -0.5)         # (T, Hq, Dh)
+                                         block_size=kv.block_size, scale=scale)              # (T, Hq, Dh)
             return self._linear(out.reshape(-1, Hq * Dh), p + "o_proj")
 
         # Gather every sequence's context into a padded (n_seq, L, ...) view and attend with one masked call.
@@ -192,7 +197,7 @@ class BambaEngineModel:
         allowed[..., 0] |= ~q_valid                    # padding queries see one key, never a row of -inf
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed[:, None],
-            scale=Dh ** -0.5, enable_gqa=True)                                              # (n_seq, Hq, Tq, Dh)
+            scale=scale, enable_gqa=True)                                                   # (n_seq, Hq, Tq, Dh)
         out = out.transpose(1, 2)[q_valid]                                                  # (T, Hq, Dh)
         return self._output_linear(out.reshape(-1, Hq * Dh), p + "o_proj")
 
@@ -200,3 +205,40 @@ class BambaEngineModel:
         p = f"model.layers.{i}.feed_forward."
         return self._output_linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"),
                                    p + "down_proj")
+
+    def _granite_ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """GraniteMoeHybrid's feed-forward: the shared SwiGLU plus the routed experts, summed before the one
+        output reduction a tensor-parallel rank does (each rank holds a slice of every expert's channels)."""
+        p = f"model.layers.{i}."
+        gate, up = self._linear(x, p + "shared_mlp.input_linear").chunk(2, dim=-1)          # gate rows first
+        out = F.linear(F.silu(gate) * up, self.w[p + "shared_mlp.output_linear.weight"])
+        if self.cfg.num_experts:
+            out = out + self._experts(i, x, static=batch.static_decode)
+        return self._reduce(out)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel output over tensor-parallel ranks (one rank: as it is; parallel.py overrides it)."""
+        return partial
+
+    def _experts(self, i: int, x: torch.Tensor, *, static: bool) -> torch.Tensor:
+        """The routed experts of layer i. Router logits in fp32; each token's top-k experts weighted by the softmax
+        of their k logits. Eagerly only the chosen tokens go through each expert; in a captured decode step
+        (static shapes) every expert runs on every row and the unchosen get weight 0."""
+        p = f"model.layers.{i}.block_sparse_moe."
+        w_in, w_out = self.w[p + "input_linear.weight"], self.w[p + "output_linear.weight"]   # (E, 2I, D), (E, D, I)
+        logits = F.linear(x.float(), self.w[p + "router.layer.weight"].float())              # (T, E)
+        top = torch.topk(logits, self.cfg.experts_per_tok, dim=-1)
+        weights = torch.softmax(top.values, dim=-1).to(x.dtype)                              # (T, k)
+        out = torch.zeros_like(x)
+        for e in range(w_in.shape[0]):
+            if static:
+                rows = torch.arange(x.shape[0], device=x.device)
+                weight = (weights * (top.indices == e)).sum(-1)                              # (T,): 0 if unchosen
+            else:
+                rows, slot = (top.indices == e).nonzero(as_tuple=True)
+                if rows.numel() == 0:
+                    continue
+                weight = weights[rows, slot]
+            gate, up = F.linear(x[rows], w_in[e]).chunk(2, dim=-1)
+            out.index_add_(0, rows, F.linear(F.silu(gate) * up, w_out[e]) * weight[:, None])
+        return out

@@ -110,12 +110,15 @@ class ShardedBambaModel(BambaEngineModel):
         self.channel_group = torch.tensor([h // heads_per_group for h in shard.heads],
                                           device=device).repeat_interleave(full_cfg.head_dim)   # (H_l·P,)
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return partial
+        total = partial.float()                                       # summed in fp32 whatever the run dtype
+        dist.all_reduce(total, group=self.tp_group)
+        return total.to(partial.dtype)
+
     def _output_linear(self, x, name):
-        out = F.linear(x, self.w[name + ".weight"])                  # this rank's columns: a partial product
-        if self.shard.size > 1:
-            total = out.float()                                       # summed in fp32 whatever the run dtype
-            dist.all_reduce(total, group=self.tp_group)
-            out = total.to(out.dtype)
+        out = self._reduce(F.linear(x, self.w[name + ".weight"]))   # this rank's columns: a partial product
         bias = self.w.get(name + ".bias")
         return out if bias is None else out + bias
 
@@ -525,7 +528,8 @@ def start_parallel_model(checkpoint, cfg: EngineModelConfig, tensors: dict[str, 
                          num_slots: int, num_blocks: int, block_size: int, timeout_s: float) -> ParallelModel:
     """Check that the model splits over tp × pp ranks (EngineError naming every problem otherwise), then start the
     workers. tensors: the checkpoint as the driver loaded it (only sizes are read; each worker loads its own shard)."""
-    intermediate_size = tensors["model.layers.0.feed_forward.gate_proj.weight"].shape[0]
+    intermediate_size = (cfg.intermediate_size if cfg.granite
+                         else tensors["model.layers.0.feed_forward.gate_proj.weight"].shape[0])
     problems = parallel_problems(cfg, intermediate_size, tp, pp)
     world = tp * pp
     if device.type == "cuda":

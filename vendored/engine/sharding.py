@@ -43,7 +43,8 @@ class RankShard:
     norm_groups_whole: bool          # every gated-norm group of the local channels lies on this rank alone
     q_heads: range
     kv_heads: tuple[int, ...]
-    ffn: range                       # MLP intermediate channels
+    ffn: range                       # MLP intermediate channels (Granite: each routed expert's)
+    shared_ffn: range = range(0)     # Granite's shared MLP channels
 
 
 def parallel_problems(cfg: EngineModelConfig, intermediate_size: int, tp: int, pp: int) -> list[str]:
@@ -58,6 +59,9 @@ def parallel_problems(cfg: EngineModelConfig, intermediate_size: int, tp: int, p
         problems.append(f"mamba_n_heads = {cfg.n_heads} is not divisible by tensor_parallel_size = {tp}")
     if intermediate_size % tp:
         problems.append(f"intermediate_size = {intermediate_size} is not divisible by tensor_parallel_size = {tp}")
+    if cfg.granite and cfg.shared_intermediate_size % tp:
+        problems.append(f"shared_intermediate_size = {cfg.shared_intermediate_size} is not divisible by "
+                        f"tensor_parallel_size = {tp}")
     if cfg.attn_layers:
         if cfg.num_q_heads % tp:
             problems.append(f"num_attention_heads = {cfg.num_q_heads} is not divisible by tensor_parallel_size = {tp}")
@@ -90,9 +94,10 @@ def plan_shard(cfg: EngineModelConfig, intermediate_size: int, size: int, rank: 
         kv_heads = tuple(range(rank * kv_per_rank, (rank + 1) * kv_per_rank))
     else:                                             # size is a multiple of Hkv: one K/V head, replicated
         kv_heads = (q_heads.start // (cfg.num_q_heads // cfg.num_kv_heads),)
-    ffn_per_rank = intermediate_size // size
+    ffn_per_rank, shared_per_rank = intermediate_size // size, cfg.shared_intermediate_size // size
     return RankShard(rank, size, heads, bc_groups, norm_whole, q_heads, kv_heads,
-                     range(rank * ffn_per_rank, (rank + 1) * ffn_per_rank))
+                     range(rank * ffn_per_rank, (rank + 1) * ffn_per_rank),
+                     range(rank * shared_per_rank, (rank + 1) * shared_per_rank))
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -125,6 +130,15 @@ def _slices(cfg: EngineModelConfig, shard: RankShard) -> dict[str, dict[str, tup
                + [2 * HP + 2 * GN + h for h in shard.heads])
     conv_rows = x_rows + [HP + r for r in bc_rows] + [HP + GN + r for r in bc_rows]
     q_rows, kv_rows, ffn = _blocks(shard.q_heads, Dh), _blocks(shard.kv_heads, Dh), list(shard.ffn)
+    # Granite stacks gate rows over up rows: the rank takes its channels of each half. Experts are split by their
+    # channels like the MLP (every rank holds every expert, a slice of each); the router is held whole.
+    S, I = cfg.shared_intermediate_size, cfg.intermediate_size
+    shared = list(shard.shared_ffn)
+    granite = {"shared_mlp.input_linear.weight": (0, shared + [S + c for c in shared]),
+               "shared_mlp.output_linear.weight": (1, shared),
+               "block_sparse_moe.input_linear.weight": (1, ffn + [I + c for c in ffn]),
+               "block_sparse_moe.output_linear.weight": (2, ffn),
+               "block_sparse_moe.router.layer.weight": None, "post_attention_layernorm.weight": None}
     # A row-parallel layer's bias is added once, after the partial products are summed: it stays whole (None).
     return {
         "mamba": {"mamba.in_proj.weight": (0, in_rows), "mamba.in_proj.bias": (0, in_rows),
@@ -139,7 +153,8 @@ def _slices(cfg: EngineModelConfig, shard: RankShard) -> dict[str, dict[str, tup
         "every layer": {"feed_forward.gate_proj.weight": (0, ffn), "feed_forward.gate_proj.bias": (0, ffn),
                 "feed_forward.up_proj.weight": (0, ffn), "feed_forward.up_proj.bias": (0, ffn),
                 "feed_forward.down_proj.weight": (1, ffn), "feed_forward.down_proj.bias": None,
-                "input_layernorm.weight": None, "pre_ff_layernorm.weight": None},
+                "input_layernorm.weight": None, "pre_ff_layernorm.weight": None,
+                **(granite if cfg.granite else {})},
     }
 
 
@@ -160,6 +175,6 @@ def shard_tensors(cfg: EngineModelConfig, get: Callable[[str], torch.Tensor | No
     if layers.start == 0:
         out["model.embed_tokens.weight"] = get("model.embed_tokens.weight")
     if layers.stop == cfg.num_layers:
-        out["model.final_layernorm.weight"] = get("model.final_layernorm.weight")
+        out[cfg.final_norm_key] = get(cfg.final_norm_key)
         out["lm_head.weight"] = get("lm_head.weight")
     return out

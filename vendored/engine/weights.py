@@ -39,6 +39,28 @@ class EngineModelConfig:
     time_step_limit: tuple[float, float]
     tie_word_embeddings: bool
     max_position_embeddings: int
+    # GraniteMoeHybrid (family "granitemoehybrid"); Bamba's values leave the arithmetic as it was.
+    family: str = "bamba"
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None       # None: Dh^-½
+    logits_scaling: float = 1.0
+    num_experts: int = 0                       # E routed experts (0: none)
+    experts_per_tok: int = 0                   # top-k
+    intermediate_size: int = 0                 # I: the MLP's (Bamba) or each expert's (Granite) width
+    shared_intermediate_size: int = 0          # S: Granite's shared MLP width
+
+    @property
+    def granite(self) -> bool:
+        return self.family == "granitemoehybrid"
+
+    @property
+    def final_norm_key(self) -> str:
+        return "model.norm.weight" if self.granite else "model.final_layernorm.weight"
+
+    @property
+    def ffn_norm_suffix(self) -> str:
+        return "post_attention_layernorm.weight" if self.granite else "pre_ff_layernorm.weight"
 
     @property
     def conv_dim(self) -> int:
@@ -53,9 +75,11 @@ def read_config(path: Path) -> EngineModelConfig:
     if not (path / "config.json").is_file():
         raise LoadError(f"{path}: no config.json (is this a checkpoint directory?)")
     model_type = json.loads((path / "config.json").read_text()).get("model_type", "bamba")
+    if model_type == "granitemoehybrid":
+        return _read_granite_config(path)
     if model_type != "bamba":
-        raise LoadError(f"{path}: model_type {model_type!r}: this engine serves Bamba checkpoints (model_type "
-                        "'bamba') only")
+        raise LoadError(f"{path}: model_type {model_type!r}: this engine serves Bamba ('bamba') and "
+                        "GraniteMoeHybrid ('granitemoehybrid') checkpoints only")
     from transformers import BambaConfig
 
     hf = BambaConfig.from_pretrained(str(path))
@@ -73,7 +97,36 @@ def read_config(path: Path) -> EngineModelConfig:
         num_q_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads, attn_head_dim=head_dim,
         rotary_dim=int(head_dim * rotary_factor), rope_theta=float(rope.get("rope_theta", 1e4)),
         rms_norm_eps=hf.rms_norm_eps, time_step_limit=limit, tie_word_embeddings=bool(hf.tie_word_embeddings),
-        max_position_embeddings=hf.max_position_embeddings,
+        max_position_embeddings=hf.max_position_embeddings, intermediate_size=hf.intermediate_size,
+    )
+
+
+def _read_granite_config(path: Path) -> EngineModelConfig:
+    """GraniteMoeHybrid through transformers' own config class. Attention layers come from layer_types, the head
+    dim from hidden_size // heads; RoPE only when position_embedding_type is "rope", on the fraction of the head that
+    rope_parameters.partial_rotary_factor gives (whole by default; transformers itself ignores the factor)."""
+    from transformers import GraniteMoeHybridConfig
+
+    hf = GraniteMoeHybridConfig.from_pretrained(str(path))
+    raw = json.loads((path / "config.json").read_text())
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    rope = hf.rope_parameters or {}
+    factor = float((raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor) if hf.position_embedding_type == "rope" else 0      # 0: NoPE
+    limit = tuple(float(v) for v in (hf.time_step_limit or (0.0, math.inf)))
+    return EngineModelConfig(
+        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
+        attn_layers=tuple(i for i, t in enumerate(hf.layer_types) if t in ("attention", "full_attention")),
+        n_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head, n_groups=hf.mamba_n_groups, d_state=hf.mamba_d_state,
+        d_conv=hf.mamba_d_conv, chunk_size=hf.mamba_chunk_size, num_q_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads, attn_head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_theta=float(rope.get("rope_theta", 1e4)), rms_norm_eps=hf.rms_norm_eps, time_step_limit=limit,
+        tie_word_embeddings=bool(hf.tie_word_embeddings), max_position_embeddings=hf.max_position_embeddings,
+        family="granitemoehybrid", embedding_multiplier=float(hf.embedding_multiplier),
+        residual_multiplier=float(hf.residual_multiplier), attention_scale=float(hf.attention_multiplier),
+        logits_scaling=float(hf.logits_scaling), num_experts=int(hf.num_local_experts or 0),
+        experts_per_tok=int(hf.num_experts_per_tok or 0), intermediate_size=hf.intermediate_size,
+        shared_intermediate_size=hf.shared_intermediate_size,
     )
 
 
@@ -108,7 +161,16 @@ def load(path: str | Path) -> tuple[EngineModelConfig, dict[str, torch.Tensor]]:
         tensors.setdefault("lm_head.weight", tensors.get("model.embed_tokens.weight"))
     HP = cfg.n_heads * cfg.head_dim
     need = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": None,
-            "model.final_layernorm.weight": (cfg.hidden_size,)}
+            cfg.final_norm_key: (cfg.hidden_size,)}
+    D, I, S, E = cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size, cfg.num_experts
+    for i in range(cfg.num_layers) if cfg.granite else ():
+        p = f"model.layers.{i}."
+        need[p + "shared_mlp.input_linear.weight"] = (2 * S, D)
+        need[p + "shared_mlp.output_linear.weight"] = (D, S)
+        if E:
+            need[p + "block_sparse_moe.router.layer.weight"] = (E, D)
+            need[p + "block_sparse_moe.input_linear.weight"] = (E, 2 * I, D)
+            need[p + "block_sparse_moe.output_linear.weight"] = (E, D, I)
     for i in cfg.mamba_layers:
         need[f"model.layers.{i}.mamba.in_proj.weight"] = (HP + cfg.conv_dim + cfg.n_heads, cfg.hidden_size)
         need[f"model.layers.{i}.mamba.conv1d.weight"] = (cfg.conv_dim, 1, cfg.d_conv)
