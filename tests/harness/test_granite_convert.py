@@ -116,3 +116,21 @@ def test_conversion_refuses_a_clamped_time_step(tmp_path):
     with pytest.raises(ConversionError, match=r"time_step_limit = \(0.0, 0.5\)"):
         convert_checkpoint(src, tmp_path / "dst")
     assert not (tmp_path / "dst").exists()
+
+
+def test_the_oracle_computes_the_same_model_from_both_forms(tiny_copy, tmp_path):
+    """The oracle reads the converted checkpoint as GraniteMoeHybrid (shared MLP, no experts, the attention
+    multiplier, partial RoPE as the converted config states it, renamed norms) and must compute the Bamba it came
+    from, to rounding: the conversion and the oracle's Granite path check each other, partial rotary included, on the
+    trained tiny model (G = 2, grouped norm on both sides)."""
+    import json
+
+    from reference.model import BambaReference
+
+    converted = convert_checkpoint(tiny_copy, tmp_path / "g")
+    bamba, granite = BambaReference.from_pretrained(tiny_copy), BambaReference.from_pretrained(converted)
+    assert granite.cfg.granite and granite.cfg.num_local_experts == 0 and granite.cfg.partial_rotary_factor == 0.5
+    prompts = [json.loads(line) for line in (TINY.parent / "prompts.jsonl").read_text().splitlines()]
+    ids = torch.tensor(next(p["token_ids"] for p in prompts if p["n_tokens"] > 32))
+    ours, theirs = bamba.forward(ids)[0], granite.forward(ids)[0]
+    assert ids.numel() > 16 and (ours - theirs).abs().max() <= 1e-10
