@@ -1,4 +1,5 @@
-"""transformers' BambaForCausalLM as an engine (its PyTorch path: no mamba_ssm / causal_conv1d kernels here).
+"""transformers' BambaForCausalLM (and GraniteMoeHybridForCausalLM, by the checkpoint's model_type) as an engine (its
+PyTorch path: no mamba_ssm / causal_conv1d kernels here).
 
 Requests are run in groups of up to max_num_seqs (all at once by default) as one left-padded batch: the attention
 mask zeroes the padding's mamba inputs and hides it from attention, and position ids count real tokens only. One
@@ -13,7 +14,10 @@ tests/reference/test_against_transformers.py), and every forward here uses the c
 Numerics finding: its gated RMSNorm normalises over all H·P channels, where Bamba (and the default oracle) normalise
 per group of H·P/G, so it disagrees with that oracle whenever G > 1 and agrees with the oracle made with
 --gated-norm full (Oracle(gated_norm="full")). Loading such a checkpoint logs that once (gated_norm_note), and
-oracle_hint gives the line for a report judged against a grouped oracle.
+oracle_hint gives the line for a report judged against a grouped oracle. Its GraniteMoeHybrid also rotates the whole
+attention head whatever rope_parameters.partial_rotary_factor says (the oracle and vLLM honour the factor), and for
+both families its cached decode step does not clamp Δ to time_step_limit: two more known causes of a FAIL that
+oracle_hint names.
 """
 
 from __future__ import annotations
@@ -43,9 +47,28 @@ def gated_norm_note(cfg: ModelConfig) -> str | None:
             "--gated-norm full (Oracle(gated_norm=\"full\")), not with the default grouped one")
 
 
+def rotary_note(cfg: ModelConfig) -> str | None:
+    """The note for a GraniteMoeHybrid checkpoint with RoPE on part of the head (None otherwise)."""
+    if not (cfg.granite and cfg.rope and cfg.partial_rotary_factor != 1.0):
+        return None
+    return (f"transformers' GraniteMoeHybrid rotates all {cfg.attn_head_dim} dims of each attention head, whatever "
+            f"partial_rotary_factor = {cfg.partial_rotary_factor} says (the oracle and vLLM rotate "
+            f"{cfg.rotary_dim})")
+
+
+def dt_limit_note(cfg: ModelConfig) -> str | None:
+    """The note for a checkpoint whose time_step_limit clamps Δ (None when it is (0, inf))."""
+    lo, hi = cfg.time_step_limit
+    if lo == 0.0 and hi == float("inf"):
+        return None
+    return (f"transformers' cached one-token decode does not clamp Δ to time_step_limit = ({lo}, {hi}) (its prefill "
+            "does): generated positions differ from the oracle's")
+
+
 class TransformersEngine(Engine):
     name = "transformers"
     default_dtype = torch.float32
+    families = ("bamba", "granitemoehybrid")
 
     @classmethod
     def dependency_problem(cls) -> str | None:
@@ -80,11 +103,13 @@ class TransformersEngine(Engine):
     def oracle_hint(cls, cfg: ModelConfig, oracle_gated_norm: str) -> str | None:
         """Why this engine fails against an oracle with this gated norm, when it is known to (None otherwise): for a
         report's meta, so that a FAIL of every scenario says what to change."""
-        return gated_norm_note(cfg) if oracle_gated_norm == "grouped" else None
+        notes = [gated_norm_note(cfg) if oracle_gated_norm == "grouped" else None, rotary_note(cfg),
+                 dt_limit_note(cfg)]
+        return "; ".join(n for n in notes if n) or None
 
     def _load(self) -> None:
         import transformers
-        from transformers import BambaForCausalLM
+        from transformers import BambaForCausalLM, GraniteMoeHybridForCausalLM
 
         if not self.cfg.attn_layer_indices:
             raise UnsupportedOptions(self.name, [
@@ -95,7 +120,8 @@ class TransformersEngine(Engine):
         if note is not None and self.checkpoint.resolve() not in _noted:
             _noted.add(self.checkpoint.resolve())
             log.warning(note)
-        self.model = BambaForCausalLM.from_pretrained(self.checkpoint, dtype=self.dtype).to(self.device).eval()
+        model_class = GraniteMoeHybridForCausalLM if self.cfg.granite else BambaForCausalLM
+        self.model = model_class.from_pretrained(self.checkpoint, dtype=self.dtype).to(self.device).eval()
 
     # The largest single tensor the adapter lets transformers' PyTorch SSD path allocate (see cannot_run).
     MAX_TENSOR_BYTES = 16 * 2**30

@@ -74,3 +74,53 @@ def test_a_report_failing_on_the_gated_norm_carries_the_hint(g2_checkpoint):
     report = check_scenario("transformers", scenario, oracle=oracle, source=PromptSource(cfg.vocab_size, seed=0))
     oracle.close()
     assert not report.passed and "--gated-norm full" in report.meta["hint"]
+
+
+@pytest.mark.parametrize("name", ["granite-moe4-top2", "granite-moe8-top1-nope-groups2", "granite-dense-tied-theta500"])
+def test_granite_checkpoints_run_through_transformers_granite_class(name, tmp_path):
+    """A GraniteMoeHybrid checkpoint is served by GraniteMoeHybridForCausalLM: left-padded batches with the cache,
+    the routed experts, the multipliers, NoPE, and it passes against the oracle where the two compute the same model
+    (with G = 2, the full-width-norm oracle)."""
+    from harness import zoo
+
+    path = zoo.write_checkpoint(name, tmp_path)
+    cfg = ModelConfig.from_json(path)
+    oracle = Oracle(path, gated_norm="full" if cfg.mamba_n_groups > 1 else "grouped")
+    with TransformersEngine(path) as engine:
+        assert type(engine.model).__name__ == "GraniteMoeHybridForCausalLM"
+    scenario = next(s for s in build_scenarios(cfg) if s.id == "batching-together")
+    report = check_scenario("transformers", scenario, oracle=oracle, source=zoo.prompt_source(name))
+    oracle.close()
+    assert report.passed, report.message()
+    assert TransformersEngine.oracle_hint(cfg, oracle.gated_norm) is None
+
+
+def test_a_granite_partial_rotary_failure_carries_the_hint(tmp_path):
+    """transformers' Granite rotates the whole head: against the oracle (which honours the factor) it fails, and
+    the report says why."""
+    from harness import zoo
+
+    path = zoo.write_checkpoint("granite-rotary0.5", tmp_path)
+    cfg = ModelConfig.from_json(path)
+    oracle = Oracle(path)
+    scenario = next(s for s in build_scenarios(cfg) if s.id == "batching-together")
+    report = check_scenario("transformers", scenario, oracle=oracle, source=zoo.prompt_source("granite-rotary0.5"))
+    oracle.close()
+    assert not report.passed
+    assert "rotates all 32 dims of each attention head, whatever partial_rotary_factor = 0.5" in report.meta["hint"]
+
+
+def test_a_clamped_dt_failure_in_decode_carries_the_hint(tmp_path):
+    """transformers' cached decode does not clamp Δ (a pinned finding): a model with a time_step_limit fails at
+    generated positions only, and the report says why."""
+    from harness import zoo
+
+    name = "granite-moe4-kv2-attention-first-dt-limit"
+    path = zoo.write_checkpoint(name, tmp_path)
+    cfg = ModelConfig.from_json(path)
+    oracle = Oracle(path)
+    scenario = next(s for s in build_scenarios(cfg) if s.id == "batching-together")
+    report = check_scenario("transformers", scenario, oracle=oracle, source=zoo.prompt_source(name))
+    oracle.close()
+    assert not report.passed and all("generated step" in f.message() for f in report.failures)
+    assert "does not clamp Δ to time_step_limit = (0.15, 0.9)" in report.meta["hint"]
