@@ -70,11 +70,13 @@ def test_the_engine_suite_compares_prompts_and_generation():
 
 
 def test_removing_an_entry_is_noticed():
-    """The check above is not vacuous: with the only entry that ties embeddings gone, tie_word_embeddings has no
-    covering entry."""
+    """The check above is not vacuous: with the entries that tie embeddings gone (one per family), and with the
+    only NoPE entry gone, those fields have no covering entry."""
     only = covering(ENGINE_ZOO, "tie_word_embeddings")
-    assert only == ["tied-embeddings-vocab300"]
+    assert only == ["tied-embeddings-vocab300", "granite-dense-tied-theta500"]
     assert not covering([n for n in ENGINE_ZOO if n not in only], "tie_word_embeddings")
+    nope = covering(ENGINE_ZOO, "position_embedding_type")
+    assert [n for n in nope if not zoo.model_config(n).rope] == ["granite-moe8-top1-nope-groups2"]
 
 
 def test_the_family_fields_are_real_fields_and_each_suite_of_a_family_has_its_shapes():
