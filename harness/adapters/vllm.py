@@ -4,8 +4,9 @@ vLLM pins its own torch and transformers, so the harness never imports it: the a
 `<vLLM python> vllm_worker.py` with the engine's arguments and exchanges JSON lines with it (subprocess_worker.py).
 The vLLM interpreter is $BAMBA_VLLM_PYTHON, else `.venv-vllm/bin/python` at the repository root (`make vllm-venv`).
 
-Model: BambaForCausalLM when the installed vLLM still has it (it was removed after 0.23); otherwise the checkpoint is
-converted to GraniteMoeHybrid, which computes the same model (granite_convert.py), in a temporary directory.
+Model: a GraniteMoeHybrid checkpoint is served as it is (GraniteMoeHybridForCausalLM). A Bamba checkpoint: as
+BambaForCausalLM when the installed vLLM still has it (it was removed after 0.23); otherwise converted to
+GraniteMoeHybrid, which computes the same model (granite_convert.py), in a temporary directory.
 
 Knobs: max_num_batched_tokens (chunked prefill stays on, as in vLLM v1), max_num_seqs, cuda_graphs
 (enforce_eager = not cuda_graphs), tensor/pipeline_parallel_size, ssm_state_dtype (mamba_ssm_cache_dtype), arrival
@@ -97,6 +98,14 @@ def vllm_limitations(cfg, options: EngineOptions) -> list[str]:
     return []
 
 
+def granite_problems(cfg) -> list[str]:
+    """Why vLLM would compute another model than this GraniteMoeHybrid checkpoint defines ([] if none)."""
+    if tuple(cfg.time_step_limit) != (0.0, float("inf")):
+        return [f"time_step_limit = {tuple(cfg.time_step_limit)}: vLLM's MambaMixer2 does not clamp Δ (it always "
+                "uses (0, inf))"]
+    return []
+
+
 _converted: dict[tuple[Path, float], Path] = {}
 _conversion_root: Path | None = None
 
@@ -158,6 +167,7 @@ def stop_idle_workers() -> None:
 
 class VllmEngine(Engine):
     name = "vllm"
+    families = ("bamba", "granitemoehybrid")
     default_dtype = torch.float32
     engine_arg_names = frozenset({"startup_timeout", "run_timeout", "gpu_memory_utilization"})
     has_scheduler = True
@@ -197,7 +207,12 @@ class VllmEngine(Engine):
         limits = vllm_limitations(self.cfg, self.options)
         if limits:
             raise UnsupportedOptions(self.name, limits)
-        if probe["bamba"]:
+        if self.cfg.granite:
+            problems = granite_problems(self.cfg)
+            if problems:
+                raise UnsupportedOptions(self.name, problems)
+            self.model_path, self.architecture = self.checkpoint, "GraniteMoeHybridForCausalLM"
+        elif probe["bamba"]:
             self.model_path, self.architecture = self.checkpoint, "BambaForCausalLM"
         else:
             problems = conversion_problems(self.cfg)

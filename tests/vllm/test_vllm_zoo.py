@@ -1,7 +1,9 @@
-"""vLLM on the config zoo (harness/zoo.py): every entry vLLM can load, through the capped chunked-prefill scenario
-(pieces continuing from saved states, two in a step, decodes beside them, greedy generation), fp32 on the CPU,
-judged against the fp64 oracle. Entries the Bamba -> GraniteMoeHybrid conversion cannot carry (an MLP bias, a
-head_dim that is not hidden/heads, a time-step limit vLLM does not apply) are left out here, named in VLLM_CANNOT."""
+"""vLLM on the config zoo (harness/zoo.py), both families: every entry vLLM can load, through the capped
+chunked-prefill scenario (pieces continuing from saved states, two in a step, decodes beside them, greedy generation),
+fp32 on the CPU, judged against the fp64 oracle. GraniteMoeHybrid entries are loaded as they are (routed experts,
+multipliers, NoPE); Bamba entries through the conversion. Entries vLLM cannot serve as the checkpoint defines them
+(an MLP bias, a head_dim that is not hidden/heads, a time-step limit vLLM does not apply) are left out here, named
+in VLLM_CANNOT."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import torch
 
 from harness import zoo
 from harness.adapters.granite_convert import conversion_problems
+from harness.adapters.vllm import granite_problems
 from harness.runner import Oracle, ScenarioSkipped, check_scenario
 from tests.engine.test_zoo_vs_oracle import smoke_scenario
 
-VLLM_CANNOT = {name: conversion_problems(zoo.model_config(name)) for name in zoo.ZOO
-               if conversion_problems(zoo.model_config(name))}
-VLLM_ZOO = [name for name in zoo.ZOO if name not in VLLM_CANNOT]
+VLLM_CANNOT = {**{name: conversion_problems(zoo.model_config(name)) for name in zoo.ZOO
+                  if conversion_problems(zoo.model_config(name))},
+               **{name: granite_problems(zoo.model_config(name)) for name in zoo.GRANITE_ZOO
+                  if granite_problems(zoo.model_config(name))}}
+VLLM_ZOO = [name for name in [*zoo.ZOO, *zoo.GRANITE_ZOO] if name not in VLLM_CANNOT]
 
 
 @pytest.mark.parametrize("name", VLLM_ZOO)
