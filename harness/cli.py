@@ -379,12 +379,15 @@ def _exit_status(document: dict, *, allow_skips: bool) -> int:
 
 
 def _list(args) -> int:
-    from .adapters import available_engines
+    from .adapters import _load, available_engines
     from .scenarios import build_scenarios
 
-    for name, problem in available_engines().items():
-        print(f"engine {name:14s} {'available' if problem is None else 'unavailable: ' + problem}")
     cfg = _read_config(Path(args.checkpoint))
+    for name, problem in available_engines().items():
+        families = getattr(_load(name), "families", ())
+        if problem is None and cfg.model_type not in families:
+            problem = f"serves {' and '.join(families)} checkpoints, not {cfg.model_type}"
+        print(f"engine {name:14s} {'available' if problem is None else 'unavailable: ' + problem}")
     print(f"\nscenarios for Q = {cfg.mamba_chunk_size}, W = {cfg.mamba_d_conv}, G = {cfg.mamba_n_groups}:")
     for s in build_scenarios(cfg):
         print(f"  {s.id:34s} {'(slow) ' if s.slow else ''}{s.about}")

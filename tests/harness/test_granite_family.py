@@ -39,3 +39,13 @@ def test_an_engine_without_the_family_is_a_skip_naming_it(granite, monkeypatch):
     scenario = build_scenarios(zoo.model_config("granite-moe4-kv2-attention-first-dt-limit"))[0]
     with pytest.raises(ScenarioSkipped, match="model_type 'granitemoehybrid': vendored serves bamba checkpoints only"):
         check_scenario("vendored", scenario, oracle=oracle, source=zoo.prompt_source("granite-moe4-top2"))
+
+
+def test_list_says_which_engines_serve_the_checkpoints_family(granite, capsys):
+    from harness import cli
+
+    path, _ = granite
+    assert cli.main(["list", "--checkpoint", str(path)]) == 0
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("engine ")}
+    assert "unavailable: serves bamba checkpoints, not granitemoehybrid" in lines["server"]
+    assert "serves" not in lines["reference"] and "serves" not in lines["vendored"]
