@@ -42,10 +42,15 @@ def conversion_problems(cfg: ModelConfig) -> list[str]:
     if cfg.attn_head_dim * cfg.num_attention_heads != cfg.hidden_size:
         problems.append(f"head_dim = {cfg.attn_head_dim} with {cfg.num_attention_heads} heads and hidden_size = "
                         f"{cfg.hidden_size}: GraniteMoeHybrid derives the head dim as hidden_size // heads")
+    return problems + vllm_granite_problems(cfg)
+
+
+def vllm_granite_problems(cfg: ModelConfig) -> list[str]:
+    """Why vLLM's GraniteMoeHybridForCausalLM would compute another model than `cfg` defines ([] if none)."""
     if tuple(cfg.time_step_limit) != (0.0, math.inf):
-        problems.append(f"time_step_limit = {tuple(cfg.time_step_limit)}: vLLM's MambaMixer2 does not clamp Δ "
-                        "(it always uses (0, inf))")
-    return problems
+        return [f"time_step_limit = {tuple(cfg.time_step_limit)}: vLLM's MambaMixer2 does not clamp Δ (it always "
+                "uses (0, inf))"]
+    return []
 
 
 def granite_config(cfg: ModelConfig, raw: dict) -> dict:

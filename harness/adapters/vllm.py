@@ -34,7 +34,7 @@ import torch
 
 from ..engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, \
     result_from_logprobs
-from .granite_convert import conversion_problems, convert_checkpoint
+from .granite_convert import conversion_problems, convert_checkpoint, vllm_granite_problems
 from .subprocess_worker import WorkerError, WorkerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -95,14 +95,6 @@ def vllm_limitations(cfg, options: EngineOptions) -> list[str]:
     if groups % tp and groups != 1:
         return [f"tensor_parallel_size = {tp} with mamba_n_groups = {groups}: vLLM's MambaMixer2 needs tp to divide "
                 "n_groups, or n_groups = 1"]
-    return []
-
-
-def granite_problems(cfg) -> list[str]:
-    """Why vLLM would compute another model than this GraniteMoeHybrid checkpoint defines ([] if none)."""
-    if tuple(cfg.time_step_limit) != (0.0, float("inf")):
-        return [f"time_step_limit = {tuple(cfg.time_step_limit)}: vLLM's MambaMixer2 does not clamp Δ (it always "
-                "uses (0, inf))"]
     return []
 
 
@@ -208,7 +200,7 @@ class VllmEngine(Engine):
         if limits:
             raise UnsupportedOptions(self.name, limits)
         if self.cfg.granite:
-            problems = granite_problems(self.cfg)
+            problems = vllm_granite_problems(self.cfg)
             if problems:
                 raise UnsupportedOptions(self.name, problems)
             self.model_path, self.architecture = self.checkpoint, "GraniteMoeHybridForCausalLM"

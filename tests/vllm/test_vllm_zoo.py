@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from harness import zoo
-from harness.adapters.granite_convert import conversion_problems
-from harness.adapters.vllm import granite_problems
+from harness.adapters.granite_convert import conversion_problems, vllm_granite_problems
 from harness.runner import Oracle, ScenarioSkipped, check_scenario
 from tests.engine.test_zoo_vs_oracle import smoke_scenario
 
 VLLM_CANNOT = {**{name: conversion_problems(zoo.model_config(name)) for name in zoo.ZOO
                   if conversion_problems(zoo.model_config(name))},
-               **{name: granite_problems(zoo.model_config(name)) for name in zoo.GRANITE_ZOO
-                  if granite_problems(zoo.model_config(name))}}
+               **{name: vllm_granite_problems(zoo.model_config(name)) for name in zoo.GRANITE_ZOO
+                  if vllm_granite_problems(zoo.model_config(name))}}
 VLLM_ZOO = [name for name in [*zoo.ZOO, *zoo.GRANITE_ZOO] if name not in VLLM_CANNOT]
 
 
