@@ -102,40 +102,106 @@ class RequestResult:
         return torch.cat([self.prompt_logprobs, self.output_logprobs])
 
 
+@dataclass
+class RowSummary:
+    """What a result keeps of n log-softmax rows, on the host in float64: each row's logprob of its target token
+    (n,), its top-k ids (n, k) and logprobs (n, k), and the whole rows (n, V) only when they were asked for."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_values: torch.Tensor
+    dists: torch.Tensor | None = None
+
+    @classmethod
+    def join(cls, parts: Sequence["RowSummary"], order: Sequence[int] | None = None) -> "RowSummary":
+        """The parts' rows one after another, then (if given) taken in `order` (indices into the joined rows)."""
+        joined = cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("chosen", "top_ids", "top_values")),
+                     torch.cat([p.dists for p in parts]) if parts and all(p.dists is not None for p in parts) else None)
+        if order is None:
+            return joined
+        index = torch.as_tensor(list(order), dtype=torch.long)
+        return cls(joined.chosen[index], joined.top_ids[index], joined.top_values[index],
+                   None if joined.dists is None else joined.dists[index])
+
+
+def summarise_rows(rows: torch.Tensor, targets: Sequence[int], top_k: int, *, full: bool) -> RowSummary:
+    """Reduce log-softmax rows (n, V) where they are (a GPU's rows of a 128K vocabulary stay there): the logprob of
+    targets[i] in row i and each row's top-k (ties: lower token id first, top_k_lower_index); only what the
+    summary holds comes to the host, in float64 (exact for float32 and 16-bit rows), whole rows only if `full`."""
+    rows = rows.detach()
+    if rows.device.type == "cpu":
+        rows = rows.double()
+    if rows.shape[0] != len(targets):
+        raise ValueError(f"{rows.shape[0]} logprob rows for {len(targets)} target tokens")
+    host = dict(device="cpu", dtype=torch.float64)
+    index = torch.tensor([int(t) for t in targets], dtype=torch.long, device=rows.device)
+    chosen = rows.gather(1, index[:, None])[:, 0].to(**host)
+    top_values, top_ids = top_k_lower_index(rows, min(top_k, rows.shape[1]))
+    return RowSummary(chosen, top_ids.cpu(), top_values.to(**host), rows.to(**host) if full else None)
+
+
+def top_k_lower_index(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of each row's k largest entries, largest first, equal values in ascending id order.
+
+    torch.topk does not fix the order of equal values, and on a GPU which of several equal values is kept at the
+    k-th place can vary between runs; a result must not. The k + 1 largest are found with topk; rows whose k-th and
+    (k+1)-th values are equal are ranked by a full stable sort; the k kept are put in (value desc, id asc) order."""
+    n, width = rows.shape
+    if k >= width:
+        ranked = rows.sort(dim=-1, descending=True, stable=True)
+        return ranked.values, ranked.indices
+    values, ids = rows.topk(k + 1, dim=-1)
+    tied = (values[:, k] == values[:, k - 1]) if k else torch.zeros(n, dtype=torch.bool, device=rows.device)
+    values, ids = values[:, :k], ids[:, :k]
+    by_id = ids.sort(dim=-1, stable=True).indices                  # secondary key first: ids ascending ...
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = values.sort(dim=-1, descending=True, stable=True).indices      # ... then values descending, stably
+    values, ids = values.gather(1, by_value), ids.gather(1, by_value)
+    redo = tied.nonzero()[:, 0]
+    if len(redo):
+        ranked = rows[redo].sort(dim=-1, descending=True, stable=True)
+        values[redo], ids[redo] = ranked.values[:, :k], ranked.indices[:, :k]
+    return values, ids
+
+
+def result_from_summary(request: Request, summary: RowSummary, output_ids: Sequence[int]) -> RequestResult:
+    """A RequestResult from the summary of rows 0..T-2+n (row i predicts the token at position i+1: prompt tokens
+    1..T-1, then the n outputs)."""
+    n_prompt = len(request.prompt) - 1
+    output_ids = [int(t) for t in output_ids]
+    if len(summary.chosen) != n_prompt + len(output_ids):
+        raise ValueError(f"request {request.request_id!r}: {len(summary.chosen)} logprob rows, expected "
+                         f"{n_prompt} prompt + {len(output_ids)} output rows")
+    dists = summary.dists
+    return RequestResult(
+        request_id=request.request_id,
+        prompt_logprobs=summary.chosen[:n_prompt],
+        prompt_top_ids=summary.top_ids[:n_prompt],
+        prompt_top_logprobs=summary.top_values[:n_prompt],
+        output_ids=output_ids,
+        output_logprobs=summary.chosen[n_prompt:],
+        output_top_ids=summary.top_ids[n_prompt:],
+        output_top_logprobs=summary.top_values[n_prompt:],
+        prompt_dists=dists[:n_prompt] if dists is not None else None,
+        output_dists=dists[n_prompt:] if dists is not None else None,
+    )
+
+
 def result_from_logprobs(request: Request, logprobs: torch.Tensor, output_ids: Sequence[int]) -> RequestResult:
     """Build a RequestResult from an engine's log-softmax rows.
 
     logprobs (T-1+n, V): row i predicts the token at position i+1 (prompt tokens 1..T-1, then the n outputs).
-    The gather and the top-k run where the rows are (a GPU's rows of a 128K vocabulary stay there); only what the
-    result holds comes to the host, in float64 (exact for float32 and 16-bit rows), the whole rows only when the
-    request asked for full distributions.
+    Reduced where the rows are (summarise_rows); the whole rows come to the host only when the request asked for
+    full distributions.
     """
     n_prompt = len(request.prompt) - 1
     output_ids = [int(t) for t in output_ids]
-    rows = logprobs.detach()                                                        # (T-1+n, V)
-    if rows.device.type == "cpu":
-        rows = rows.double()
-    if rows.shape[0] != n_prompt + len(output_ids):
-        raise ValueError(f"request {request.request_id!r}: {rows.shape[0]} logprob rows, expected "
+    if logprobs.shape[0] != n_prompt + len(output_ids):
+        raise ValueError(f"request {request.request_id!r}: {logprobs.shape[0]} logprob rows, expected "
                          f"{n_prompt} prompt + {len(output_ids)} output rows")
-    host = dict(device="cpu", dtype=torch.float64)
-    targets = torch.tensor(list(request.prompt[1:]) + output_ids, dtype=torch.long, device=rows.device)
-    chosen = rows.gather(1, targets[:, None])[:, 0].to(**host)
-    top = rows.topk(min(request.top_k, rows.shape[1]), dim=-1)
-    top_ids, top_values = top.indices.cpu(), top.values.to(**host)
-    dists = rows.to(**host) if request.full_distributions else None
-    return RequestResult(
-        request_id=request.request_id,
-        prompt_logprobs=chosen[:n_prompt],
-        prompt_top_ids=top_ids[:n_prompt],
-        prompt_top_logprobs=top_values[:n_prompt],
-        output_ids=output_ids,
-        output_logprobs=chosen[n_prompt:],
-        output_top_ids=top_ids[n_prompt:],
-        output_top_logprobs=top_values[n_prompt:],
-        prompt_dists=dists[:n_prompt] if dists is not None else None,
-        output_dists=dists[n_prompt:] if dists is not None else None,
-    )
+    targets = list(request.prompt[1:]) + output_ids
+    return result_from_summary(request, summarise_rows(logprobs, targets, request.top_k,
+                                                       full=request.full_distributions), output_ids)
 
 
 def result_from_top(request: Request, chosen: Sequence[float], top: Sequence[Sequence[tuple[int, float]]],

@@ -12,6 +12,7 @@ import torch
 from .cache import KVCache, StatePool
 from .cudagraph import DecodeGraphRunner
 from .model import BambaEngineModel, StepBatch
+from .ranking import top_k
 from .scheduler import Piece, Scheduler, Sequence
 from .weights import load
 
@@ -277,8 +278,8 @@ class LLMEngine:
             parts.append(logprobs[index, target].double())                                 # (n_prompt,)
         if top_rows:
             k = max(max(1, seq.top_k) for seq, _ in top_owners)
-            top = torch.topk(logprobs[torch.tensor(top_rows, dtype=torch.long, device=device)], k)  # (n, k)
-            parts += [top.values.double().reshape(-1), top.indices.double().reshape(-1)]
+            values, ids = top_k(logprobs[torch.tensor(top_rows, dtype=torch.long, device=device)], k)  # (n, k)
+            parts += [values.double().reshape(-1), ids.double().reshape(-1)]
         host = torch.cat(parts).cpu()                                  # one transfer (fp64: ids and values exact)
         kept_rows = (logprobs[torch.tensor([r for _, _, r in kept], dtype=torch.long, device=device)].cpu()
                      if kept else None)
@@ -293,7 +294,7 @@ class LLMEngine:
                 if pos is not None:
                     seq.prompt_top[pos] = list(zip(ids, vals))[:seq.top_k]
                     continue
-                seq.output_ids.append(ids[0])                           # greedy; topk breaks ties by lowest index
+                seq.output_ids.append(ids[0])                           # greedy; ties go to the lowest index (ranking.py)
                 seq.output_logprobs.append(vals[0])
                 seq.output_top.append(list(zip(ids, vals))[:seq.top_k])
         for i, (seq, pos, _) in enumerate(kept):

@@ -19,6 +19,7 @@ from vendored.ops.ssd_scan import ssd_scan
 
 from .cache import KVCache, StatePool
 from .paged_attention import paged_decode_attention
+from .ranking import top_k
 from .weights import EngineModelConfig
 
 
@@ -227,15 +228,15 @@ class BambaEngineModel:
         p = f"model.layers.{i}.block_sparse_moe."
         w_in, w_out = self.w[p + "input_linear.weight"], self.w[p + "output_linear.weight"]   # (E, 2I, D), (E, D, I)
         logits = F.linear(x.float(), self.w[p + "router.layer.weight"].float())              # (T, E)
-        top = torch.topk(logits, self.cfg.experts_per_tok, dim=-1)
-        weights = torch.softmax(top.values, dim=-1).to(x.dtype)                              # (T, k)
+        top_logits, chosen = top_k(logits, self.cfg.experts_per_tok)                         # ties: lower index
+        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)                               # (T, k)
         out = torch.zeros_like(x)
         for e in range(w_in.shape[0]):
             if static:
                 rows = torch.arange(x.shape[0], device=x.device)
-                weight = (weights * (top.indices == e)).sum(-1)                              # (T,): 0 if unchosen
+                weight = (weights * (chosen == e)).sum(-1)                                   # (T,): 0 if unchosen
             else:
-                rows, slot = (top.indices == e).nonzero(as_tuple=True)
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
                 if rows.numel() == 0:
                     continue
                 weight = weights[rows, slot]

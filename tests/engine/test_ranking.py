@@ -1,0 +1,73 @@
+"""The tie rule of every top-k the engine and the harness return: equal values rank by the lower token id.
+
+torch.topk leaves the order of equal values open (on this CPU it does not follow the rule either: the tests below
+fail against it), and on a GPU which tied token makes the k-th place can change between runs: bf16 logits of a
+128K vocabulary hold many exact ties, so a greedy choice or a top-k set taken that way makes two runs of one engine
+differ. Checked element by element against a plain sort by (-value, id), on narrow rows (the router's stable-sort
+path), wide rows (topk + boundary repair), and through the engine on a checkpoint whose logits tie by construction.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.engine import top_k_lower_index
+from tests.helpers import random_bamba_checkpoint
+from vendored.engine import LLMEngine
+from vendored.engine.ranking import SORT_WIDTH, top_k
+
+IMPLEMENTATIONS = {"vendored": top_k, "harness": top_k_lower_index}
+
+
+def expected(rows: torch.Tensor, k: int) -> list[list[int]]:
+    return [sorted(range(rows.shape[1]), key=lambda j: (-row[j].item(), j))[:k] for row in rows]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("width", [6, SORT_WIDTH, SORT_WIDTH + 1, 3000])
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_ties_rank_by_lower_id(impl, width, k):
+    gen = torch.Generator().manual_seed(width + k)
+    rows = torch.randint(0, 4, (7, width), generator=gen).float()      # few distinct values: ties everywhere
+    rows[0] = torch.arange(width, dtype=torch.float32) % 7             # ties across the k-th place
+    rows[1] = torch.randn(width, generator=gen)                        # no ties at all
+    values, ids = IMPLEMENTATIONS[impl](rows, k)
+    assert ids.tolist() == expected(rows, k)
+    assert torch.equal(values, rows.gather(1, ids))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_whole_row_and_batch_shapes(impl):
+    rows = torch.tensor([[2.0, 5.0, 5.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    values, ids = IMPLEMENTATIONS[impl](rows, 4)
+    assert ids.tolist() == [[1, 2, 0, 3], [0, 1, 2, 3]]
+    assert IMPLEMENTATIONS[impl](torch.zeros(0, 2000), 3)[1].shape == (0, 3)
+
+
+def test_vendored_rejects_a_k_wider_than_the_row():
+    with pytest.raises(ValueError, match="k=5 for rows of width 4"):
+        top_k(torch.zeros(2, 4), 5)
+
+
+def test_engine_greedy_choice_and_top_k_follow_the_rule(tmp_path):
+    """lm_head rows repeated: token j's logit equals token j mod 5's, so every position's top-k is all ties. The
+    greedy token must be the lowest id of the largest group and each top-k the lowest ids, as the oracle's argmax."""
+    directory = random_bamba_checkpoint(tmp_path / "ckpt", seed=3)
+    weights = load_file(directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    key = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
+    head = weights[key]
+    weights[key] = head[torch.arange(head.shape[0]) % 5].contiguous()
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    engine = LLMEngine(directory, max_model_len=32, max_num_batched_tokens=4)
+    (out,) = engine.generate([("a", [3, 9, 14, 2, 7, 11], 3)], top_k=4, keep_rows=True, prompt_top=True)
+    rows = out.rows.double()
+    # equal weight rows give equal logits up to the GEMM's rounding, which may differ at the tail of the vocabulary
+    assert all(len(set(r.topk(5).values.tolist())) < 5 for r in rows), "the top-k were meant to tie"
+    for i, entry in enumerate(out.prompt_top + out.output_top):
+        assert [t for t, _ in entry] == expected(rows[i:i + 1], 4)[0], f"position {i + 1}"
+    assert out.output_ids == [expected(rows[i:i + 1], 1)[0][0] for i in range(5, 8)]
