@@ -17,7 +17,8 @@ import torch
 
 from reference.model import BambaReference, SequenceState
 
-from ..engine import Engine, EngineOptions, Request, RequestResult, log_softmax, parse_dtype, result_from_logprobs
+from ..engine import (Engine, EngineOptions, Request, RequestResult, RowSummary, log_softmax, parse_dtype,
+                      result_from_summary, summarise_rows)
 from ..schedule import Piece, RequestShape, plan_options, plan_steps
 
 
@@ -68,7 +69,10 @@ class ReferenceEngine(Engine):
         shapes = [RequestShape(len(r.prompt), r.max_new_tokens, r.arrival_step) for r in requests]
         plan = plan_steps(shapes, **plan_options(self.options))
         states = [self.model.initial_state() for _ in requests]
-        rows: list[dict[int, torch.Tensor]] = [{} for _ in requests]   # position -> (V,) log-softmax predicting +1
+        # each row is reduced as soon as its step computes it (its target token is known by then): holding whole
+        # rows of a 128K vocabulary in fp64 until the end would take a megabyte a position
+        parts: list[list[tuple[list[int], RowSummary]]] = [[] for _ in requests]
+        done: list[set[int]] = [set() for _ in requests]          # positions summarised (a recomputed one is not)
         outputs: list[list[int]] = [[] for _ in requests]
         for step in plan:
             tokens = []
@@ -82,13 +86,26 @@ class ReferenceEngine(Engine):
                 req, out = requests[piece.request], outputs[piece.request]
                 states[piece.request] = state
                 logprobs = log_softmax(piece_logits)                      # (L, V)
-                for offset, position in enumerate(range(piece.start, piece.stop)):
-                    rows[piece.request].setdefault(position, logprobs[offset])
                 if piece.stop == len(req.prompt) + len(out) and len(out) < req.max_new_tokens:
                     out.append(int(logprobs[-1].argmax()))
+                known = req.prompt + tuple(out)
+                keep = len(req.prompt) - 1 + req.max_new_tokens   # the last row predicts a token never generated
+                positions = [p for p in range(piece.start, piece.stop)
+                             if p < keep and p not in done[piece.request]]
+                if positions or not parts[piece.request]:      # (an empty summary for a request with no rows)
+                    rows = logprobs[torch.tensor([p - piece.start for p in positions], dtype=torch.long,
+                                                 device=logprobs.device)]
+                    parts[piece.request].append((positions, summarise_rows(
+                        rows, [known[p + 1] for p in positions], req.top_k, full=req.full_distributions)))
+                    done[piece.request].update(positions)
+            logits = logprobs = rows = None                 # freed before the next step's forward allocates its own
         results = []
-        for req, req_rows, out in zip(requests, rows, outputs):
-            seq_rows = torch.stack([req_rows[p] for p in sorted(req_rows)])   # (T + n - 1, V) with n >= 1, else (T, V)
-            keep = len(req.prompt) - 1 + len(out)
-            results.append(result_from_logprobs(req, seq_rows[:keep], out))
+        for req, req_parts, out in zip(requests, parts, outputs):
+            positions = [p for ps, _ in req_parts for p in ps]
+            order = sorted(range(len(positions)), key=positions.__getitem__)
+            if [positions[i] for i in order] != list(range(len(req.prompt) - 1 + len(out))):
+                raise RuntimeError(f"request {req.request_id!r}: the plan computed positions "
+                                   f"{sorted(positions)[:8]}..., not every one of 0..{len(req.prompt) - 2 + len(out)}")
+            summary = RowSummary.join([part for _, part in req_parts], order)
+            results.append(result_from_summary(req, summary, out))
         return results

@@ -59,3 +59,39 @@ def test_on_the_cpu_nothing_is_closed(monkeypatch):
     oracle.engine(torch.float32)
     assert len(oracle._engines) == 2
     oracle.close()
+
+
+def test_the_reference_engine_holds_no_rows_past_their_step(monkeypatch):
+    """Each step's log-softmax rows (a megabyte a position at a 128K vocabulary in fp64) are reduced to what the
+    results keep during the step that computed them: when the next step starts, none of them is alive. Before, the
+    oracle kept every row of every request until the end of a run (tens of GB on a GPU at real width)."""
+    import weakref
+
+    from harness.adapters import reference
+    from harness.engine import EngineOptions
+
+    alive: list[weakref.ref] = []
+    original_log_softmax, original_step = reference.log_softmax, reference.ReferenceEngine.forward_step
+
+    def tracked(logits):
+        rows = original_log_softmax(logits)
+        alive.append(weakref.ref(rows))
+        return rows
+
+    def step(self, *args, **kwargs):
+        held = [r for r in alive if r() is not None]
+        assert not held, f"{len(held)} log-softmax tensors of earlier steps still alive"
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "log_softmax", tracked)
+    monkeypatch.setattr(reference.ReferenceEngine, "forward_step", step)
+    requests = [Request("a", tuple(range(1, 12)), 4), Request("b", (4, 4, 8), 3, full_distributions=True)]
+    with reference.ReferenceEngine(TINY, options=EngineOptions(max_num_batched_tokens=4)) as engine:
+        stepped = engine.run(requests)
+    assert len(alive) > 4, "the run was meant to take several steps"
+    whole = Oracle(TINY).results(requests)                       # one step per request: rows reduced together
+    for a, b in zip(stepped, whole):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(a.sequence_logprobs(), b.sequence_logprobs(), rtol=0, atol=1e-12)
+        assert torch.equal(a.prompt_top_ids, b.prompt_top_ids) and torch.equal(a.output_top_ids, b.output_top_ids)
+    assert stepped[0].prompt_dists is None and stepped[1].prompt_dists.shape == (2, stepped[1].prompt_dists.shape[1])
