@@ -152,6 +152,8 @@ def worker(args) -> int:
                     def progress(stage, _count, stages=stages):
                         stages.setdefault(stage, round(time.monotonic() - start, 2))
 
+                    if torch.cuda.is_available():
+                        torch.cuda.reset_peak_memory_stats()
                     try:
                         for attempt in range(OOM_ATTEMPTS):       # other processes on the GPU may hold its memory
                             try:
@@ -186,6 +188,8 @@ def worker(args) -> int:
                                    first_failure=f"{type(err).__name__}: {err}"[:300],
                                    trace=traceback.format_exc()[-1500:])
                     row.update(seconds=round(time.monotonic() - start, 2), stages=stages)
+                    if torch.cuda.is_available():          # what the memory gate's estimates are checked against
+                        row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
                     done[(seed, sid, dtype)] = row
                     out.write(json.dumps(row) + "\n")
                     out.flush()
@@ -301,6 +305,12 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
             "clean_max_delta_over_budget": max((r["max_delta"] / r["budget"] for r in noise), default=None),
             "clean_max_excess_ratio": max((v for r in noise for v in r.get("excess", {}).values()), default=None),
             "first_failure": killed[0].get("first_failure", "") if killed else "",
+            # where a survivor's judged numbers are not the clean engine's, and their digests (the table notes
+            # survivors whose differing output is bit-identical to another mutant's: two different edits giving
+            # one output is the clean engine varying between runs, not two bugs)
+            "differs_in": sorted(r["scenario"] for r in differ) if outcome == "survived" else [],
+            "differing_digests": sorted(f"{r['scenario']}:{r['digest']}" for r in differ) if outcome == "survived"
+            else [],
         }
     out["live"] = any(out[d]["outcome"] in ("killed", "survived") for d in dtypes)
     return out
@@ -331,10 +341,23 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
                      f"{_fmt(max((v for r in rows for v in r.get('excess', {}).values()), default=None))} |")
     lines += ["", "## Engine mutants", "", "| mutant | " + " | ".join(dtypes) + " | effect (max |Δ|/budget; excess "
               "ratio) per dtype |", "| --- | " + " | ".join("---" for _ in dtypes) + " | --- |"]
+    shared: dict[tuple, list[str]] = {}               # a survivor's differing output -> the mutants that gave it
+    for m in mutants:
+        for d in dtypes:
+            if m[d].get("differing_digests"):
+                shared.setdefault((d, *m[d]["differing_digests"]), []).append(m["name"])
+
+    def survivor_note(m: dict, d: str) -> str:
+        if m[d]["outcome"] != "survived":
+            return ""
+        others = [n for n in shared.get((d, *m[d].get("differing_digests", [])), []) if n != m["name"]]
+        note = f" (differs in {', '.join(m[d].get('differs_in', []))}"
+        return note + (f"; that output bit-identical to {len(others)} other mutants')" if others else ")")
+
     for m in mutants:
         cells = [f"{m[d]['outcome']}" + (f" ({', '.join(m[d]['by'][:3])})" if m[d]["by"] else "")
                  + (f" ({len(m[d]['missing'])} scenarios not run)" if m[d]["outcome"] == "incomplete" else "")
-                 for d in dtypes]
+                 + survivor_note(m, d) for d in dtypes]
         effect = "; ".join(f"{d}: {_fmt(m[d]['max_delta_over_budget'])}, {_fmt(m[d]['max_excess_ratio'])} "
                            f"(clean {_fmt(m[d]['clean_max_delta_over_budget'])}, "
                            f"{_fmt(m[d]['clean_max_excess_ratio'])})" for d in dtypes)

@@ -130,6 +130,22 @@ def test_a_mutant_differing_only_where_the_clean_engine_varies_is_undetermined()
     assert "differ (not bit-reproducible) in: s bfloat16" in text
 
 
+def test_a_survivor_names_where_it_differs_and_which_other_mutants_gave_the_same_output():
+    """Two different edits with bit-identical output where both differ from the clean run: the clean engine varied
+    between runs (seen on the H200: budget257 in bf16), which the table says beside each such survivor."""
+    clean = [_row("s", "bfloat16", "PASS", "aaa"), _row("t", "bfloat16", "PASS", "ttt")]
+    a = summarise("m1", [_row("s", "bfloat16", "PASS", "aaa"), _row("t", "bfloat16", "PASS", "t2")], clean,
+                  ["bfloat16"])
+    b = summarise("m2", [_row("s", "bfloat16", "PASS", "aaa"), _row("t", "bfloat16", "PASS", "t2")], clean,
+                  ["bfloat16"])
+    c = summarise("m3", [_row("s", "bfloat16", "PASS", "s3"), _row("t", "bfloat16", "PASS", "ttt")], clean,
+                  ["bfloat16"])
+    assert a["bfloat16"]["differs_in"] == ["t"] and c["bfloat16"]["differs_in"] == ["s"]
+    text = table(clean, [a, b, c], {}, ["bfloat16"])
+    assert "| m1 | survived (differs in t; that output bit-identical to 1 other mutants') |" in text
+    assert "| m3 | survived (differs in s) |" in text
+
+
 def test_the_memory_gate_admits_workers_while_their_estimates_fit():
     import threading
     import time
