@@ -265,18 +265,28 @@ def next_power_of_two_above(n: int) -> int:
 
 def select_scenarios(scenarios: Sequence[Scenario], spec: str | None) -> list[Scenario]:
     """spec: comma-separated kinds and/or scenario ids ("all" or None: every scenario not marked slow). A kind
-    selects its scenarios that are not slow; an id selects that scenario. Unknown names raise ValueError."""
+    selects its scenarios that are not slow; an id selects that scenario; a name with a leading "-" removes what
+    it would select (a spec of removals alone starts from "all"). Unknown names raise ValueError."""
     names = [n.strip() for n in (spec or "all").split(",") if n.strip()]
+    if names and all(n.startswith("-") for n in names):
+        names.insert(0, "all")
     by_id = {s.id: s for s in scenarios}
+
+    def named(name: str) -> list[Scenario]:
+        if name == "all":
+            return [s for s in scenarios if not s.slow]
+        if name in KINDS:
+            return [s for s in scenarios if s.kind == name and not s.slow]
+        if name in by_id:
+            return [by_id[name]]
+        raise ValueError(f"unknown scenario {name!r}: expected 'all', a kind ({', '.join(KINDS)}) or an id "
+                         f"({', '.join(by_id)}), each optionally with a leading '-' to leave it out")
+
     chosen: dict[str, Scenario] = {}
     for name in names:
-        if name == "all":
-            chosen.update({s.id: s for s in scenarios if not s.slow})
-        elif name in KINDS:
-            chosen.update({s.id: s for s in scenarios if s.kind == name and not s.slow})
-        elif name in by_id:
-            chosen[name] = by_id[name]
+        if name.startswith("-"):
+            for s in named(name[1:]):
+                chosen.pop(s.id, None)
         else:
-            raise ValueError(f"unknown scenario {name!r}: expected 'all', a kind ({', '.join(KINDS)}) or an id "
-                             f"({', '.join(by_id)})")
+            chosen.update({s.id: s for s in named(name)})
     return [s for s in scenarios if s.id in chosen]

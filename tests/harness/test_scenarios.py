@@ -74,6 +74,19 @@ def test_select_by_kind_and_id_and_unknown_names():
         select_scenarios(scenarios, "batching,chunky")
 
 
+def test_a_leading_minus_leaves_out_what_the_name_selects():
+    scenarios = build_scenarios(model())
+    chunked = [s.id for s in select_scenarios(scenarios, "chunked_prefill")]
+    fewer = [s.id for s in select_scenarios(scenarios, "batching,chunked_prefill,-chunked_prefill-budget1-Q16")]
+    assert "chunked_prefill-budget1-Q16" in chunked and "chunked_prefill-budget1-Q16" not in fewer
+    assert set(fewer) == set(chunked) - {"chunked_prefill-budget1-Q16"} | {
+        s.id for s in scenarios if s.kind == "batching"}
+    everything_but_tp = [s.id for s in select_scenarios(scenarios, "-tp")]
+    assert everything_but_tp == [s.id for s in select_scenarios(scenarios, "all") if s.kind != "tp"]
+    with pytest.raises(ValueError, match="unknown scenario 'chunky'"):
+        select_scenarios(scenarios, "all,-chunky")
+
+
 def test_shuffled_presents_the_same_requests_in_another_order():
     by_id = {s.id: s for s in build_scenarios(model())}
     source = PromptSource(97, seed=3)
