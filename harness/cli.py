@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "with --against, another engine).", epilog=epilog, formatter_class=raw)
     compare.add_argument("--engine", required=True, help="engine name (see `bamba-harness list`)")
     compare.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory")
-    compare.add_argument("--scenarios", default="all", help="comma-separated kinds and/or scenario ids")
+    compare.add_argument("--scenarios", default="all",
+                         help="comma-separated kinds and/or scenario ids; a leading - leaves one out")
     compare.add_argument("--dtype", default="float32", help="the candidate's dtype (float32, bfloat16, ...)")
     compare.add_argument("--device", default="cpu", help="device of the candidate and the oracle (cpu, cuda[:N])")
     compare.add_argument("--out", default="out", help="directory for report.json and delta_by_position.png")
