@@ -12,7 +12,10 @@ Then `pytest --engine transformers -k chunked_prefill` runs exactly the chunked-
 
 and takes a `case` argument: an (engine name, Scenario) pair whose test id is "<engine>-<scenario id>"; the case
 carries the scenario's markers (tp, cudagraph, gpu) and `slow` where the scenario is slow or the engine declares
-itself slow without a GPU (Engine.slow_on_cpu) and there is none.
+itself slow without a GPU (Engine.slow_on_cpu) and there is none, and is skipped where the engine does not serve the
+model's family. Several models at once (Bamba and GraniteMoeHybrid checkpoints, say):
+`parametrize_cases(metafunc, {"tiny-bamba": cfg_a, "tiny-granite": cfg_b})`, and the test takes `model_name` too;
+its ids are "<model name>-<engine>-<scenario id>".
 
 A session in which every selected harness case was skipped checked nothing: a green run that means "no engine was
 available" is how a broken setup passes CI. The terminal summary says so, and the session exits 5 (pytest's "no
@@ -22,7 +25,7 @@ ran, so it counts as checked; tests without a `case` argument do not count eithe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import pytest
 import torch
@@ -104,23 +107,41 @@ def selected_engines(config: pytest.Config) -> list[str]:
 
 def scenario_cases(engines: Iterable[str], model: ModelConfig, kinds: Iterable[str] | None = None) -> list:
     """pytest.param((engine, scenario)) for every engine × scenario of `model` (of the given kinds), marked `slow`
-    where the scenario is slow, or where the engine declares itself slow without a GPU and there is none."""
+    where the scenario is slow, or where the engine declares itself slow without a GPU and there is none, and
+    skipped where the engine does not serve the model's family (Engine.families)."""
     kinds = set(kinds) if kinds is not None else None
     available = available_engines()
     params = []
     for engine in engines:
-        slow_engine = (not torch.cuda.is_available() and available.get(engine) is None
-                       and get_engine(engine).slow_on_cpu)
+        adapter = get_engine(engine)
+        slow_engine = not torch.cuda.is_available() and available.get(engine) is None and adapter.slow_on_cpu
+        other_family = ([pytest.mark.skip(reason=f"{engine} serves {' and '.join(adapter.families)} checkpoints, "
+                                                 f"not {model.model_type}")]
+                        if model.model_type not in adapter.families else [])
         for scenario in build_scenarios(model):
             if kinds is not None and scenario.kind not in kinds:
                 continue
-            marks = [getattr(pytest.mark, m) for m in scenario.marks]
+            marks = [getattr(pytest.mark, m) for m in scenario.marks] + other_family
             params.append(pytest.param((engine, scenario), id=f"{engine}-{scenario.id}",
                                        marks=marks + ([pytest.mark.slow] if scenario.slow or slow_engine else [])))
     return params
 
 
-def parametrize_cases(metafunc: pytest.Metafunc, model: ModelConfig, kinds: Iterable[str] | None = None) -> None:
-    """Parametrize the `case` argument of a test over the selected engines × the model's scenarios."""
-    if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", scenario_cases(selected_engines(metafunc.config), model, kinds))
+def parametrize_cases(metafunc: pytest.Metafunc, model: ModelConfig | Mapping[str, ModelConfig],
+                      kinds: Iterable[str] | None = None) -> None:
+    """Parametrize the `case` argument of a test over the selected engines × the model's scenarios.
+
+    `model` may also map names to models (several checkpoints, of one family or of several): the test then takes a
+    `model_name` argument too, and the ids are "<model name>-<engine>-<scenario id>"."""
+    if "case" not in metafunc.fixturenames:
+        return
+    engines = selected_engines(metafunc.config)
+    if isinstance(model, ModelConfig):
+        metafunc.parametrize("case", scenario_cases(engines, model, kinds))
+        return
+    if "model_name" not in metafunc.fixturenames:
+        raise pytest.UsageError(f"{metafunc.function.__name__}: parametrize_cases over several models needs a "
+                                "`model_name` argument beside `case`")
+    params = [pytest.param(name, *param.values, id=f"{name}-{param.id}", marks=param.marks)
+              for name, cfg in model.items() for param in scenario_cases(engines, cfg, kinds)]
+    metafunc.parametrize("model_name,case", params)

@@ -1,6 +1,7 @@
 """Every selected engine (--engine, default: every available one) × every scenario, judged against the fp64 oracle
-on a random G = 1 checkpoint: fp32 on the CPU, bf16 on CUDA. Test ids are "<engine>-<scenario>", so
-`pytest -k chunked_prefill` or `-k transformers-batching` select exactly those cases."""
+on a random checkpoint of each family (Bamba with G = 1, GraniteMoeHybrid with four experts, top-2): fp32 on the
+CPU, bf16 on CUDA. Test ids are "<model>-<engine>-<scenario>", so `pytest -k chunked_prefill`, `-k granite` or
+`-k bamba-g1-transformers-batching` select exactly those cases."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from harness import zoo
 from harness.engine import EngineOptions
 from harness.pytest_plugin import parametrize_cases
 from harness.runner import Oracle, ScenarioSkipped, check_scenario
@@ -18,8 +20,40 @@ from reference.config import ModelConfig
 from .conftest import G1_MODEL
 
 
+GRANITE = "granite-moe4-top2"
+MODELS = {"bamba-g1": G1_MODEL, GRANITE: zoo.model_config(GRANITE)}
+
+
 def pytest_generate_tests(metafunc):
-    parametrize_cases(metafunc, G1_MODEL)
+    parametrize_cases(metafunc, MODELS)
+
+
+@pytest.fixture(scope="session")
+def granite_checkpoint(tmp_path_factory):
+    return zoo.write_checkpoint(GRANITE, tmp_path_factory.mktemp(GRANITE))
+
+
+@pytest.fixture(scope="session")
+def granite_oracle(granite_checkpoint):
+    oracle = Oracle(granite_checkpoint)
+    yield oracle
+    oracle.close()
+
+
+@pytest.fixture(scope="session")
+def granite_cuda_oracle(granite_checkpoint):
+    oracle = Oracle(granite_checkpoint, device="cuda")
+    yield oracle
+    oracle.close()
+
+
+@pytest.fixture
+def oracle_and_prompts(request, model_name):
+    """The model's oracle (on CUDA for the bf16 test) and prompts."""
+    cuda = request.function.__name__.endswith("_cuda")
+    if model_name == GRANITE:
+        return request.getfixturevalue("granite_cuda_oracle" if cuda else "granite_oracle"), zoo.prompt_source(GRANITE)
+    return request.getfixturevalue("g1_cuda_oracle" if cuda else "g1_oracle"), request.getfixturevalue("g1_prompts")
 
 
 def _check(case, oracle, prompts, dtype, device):
@@ -32,14 +66,14 @@ def _check(case, oracle, prompts, dtype, device):
     assert report.comparisons and all(c.positions for c in report.comparisons)
 
 
-def test_matches_oracle_fp32_cpu(case, g1_oracle, g1_prompts):
-    _check(case, g1_oracle, g1_prompts, torch.float32, "cpu")
+def test_matches_oracle_fp32_cpu(case, oracle_and_prompts):
+    _check(case, *oracle_and_prompts, torch.float32, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_matches_oracle_bf16_cuda(case, g1_cuda_oracle, g1_prompts):
-    _check(case, g1_cuda_oracle, g1_prompts, torch.bfloat16, "cuda")
+def test_matches_oracle_bf16_cuda(case, oracle_and_prompts):
+    _check(case, *oracle_and_prompts, torch.bfloat16, "cuda")
 
 
 # ---- transformers with G > 1: a numerics finding, not a tolerance -------------------------------------------

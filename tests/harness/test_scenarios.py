@@ -157,6 +157,40 @@ def test_cases_of_an_engine_slow_without_a_gpu_are_marked_slow(monkeypatch):
     assert params and all("slow" in {m.name for m in p.marks} for p in params)
 
 
+def test_cases_over_several_models_carry_the_model_and_skip_engines_of_another_family(monkeypatch):
+    """parametrize_cases over {name: model}: ids "<model>-<engine>-<scenario>", a `model_name` argument beside
+    `case`, and an engine that does not serve a model's family skipped with the reason (the server adapter serves
+    Bamba only)."""
+    from harness import zoo
+
+    class Metafunc:
+        fixturenames = ["model_name", "case"]
+        config = None
+
+        def function(self):
+            pass
+
+        def parametrize(self, names, params):
+            self.names, self.params = names, params
+
+    metafunc = Metafunc()
+    monkeypatch.setattr(pytest_plugin, "selected_engines", lambda config: ["reference", "server"])
+    models = {"bamba-g1": model(), "granite": zoo.model_config("granite-moe4-top2")}
+    pytest_plugin.parametrize_cases(metafunc, models, kinds=["batching"])
+    assert metafunc.names == "model_name,case"
+    by_id = {p.id: p for p in metafunc.params}
+    assert set(by_id) == {f"{m}-{e}-batching-{k}" for m in models for e in ("reference", "server")
+                          for k in ("alone", "together", "shuffled")}
+    name, (engine, scenario) = by_id["granite-reference-batching-together"].values
+    assert (name, engine, scenario.id) == ("granite", "reference", "batching-together")
+    skipped = [p.id for p in metafunc.params if any(m.name == "skip" for m in p.marks)]
+    assert skipped == [f"granite-server-batching-{k}" for k in ("alone", "together", "shuffled")]
+    assert "not granitemoehybrid" in by_id["granite-server-batching-alone"].marks[-1].kwargs["reason"]
+    metafunc.fixturenames = ["case"]
+    with pytest.raises(pytest.UsageError, match="needs a `model_name` argument"):
+        pytest_plugin.parametrize_cases(metafunc, models)
+
+
 def test_cudagraph_workload_needs_padding_and_reuses_slots():
     """Under the reference schedule: decode-only steps of 17, 5 and 3 rows (none a power of two), and requests that
     arrive after others finished, with no more slots than max_num_seqs."""
