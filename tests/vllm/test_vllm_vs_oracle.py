@@ -8,11 +8,14 @@ findings/, a line in docs/findings.md's table.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from harness.runner import ScenarioSkipped, check_scenario
+from harness.runner import Oracle, ScenarioSkipped, check_scenario
 from harness.scenarios import build_scenarios, select_scenarios
+from reference.config import ModelConfig
 
 from .conftest import TINY_CFG, expect_known_findings
 
@@ -44,4 +47,32 @@ def test_vllm_matches_oracle(scenario, device_dtype, tiny_prompts, request, vllm
     except ScenarioSkipped as skip:
         pytest.skip(str(skip))
     expect_known_findings(scenario.id, device, report, vllm_truncates_bf16_state)
+    assert sum(len(c.positions) for c in report.comparisons) > 0
+
+
+# ---- the trained GraniteMoeHybrid fixture, loaded by vLLM natively (no conversion) --------------------------------
+
+GRANITE_TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-granite"
+GRANITE_CFG = ModelConfig.from_json(GRANITE_TINY)
+GRANITE_CASES = [pytest.param(s, id=s.id, marks=[pytest.mark.xfail(strict=True, reason=FINDINGS[s.id])]
+                              if s.id in FINDINGS else [getattr(pytest.mark, m) for m in s.marks if m != "gpu"])
+                 for s in select_scenarios(build_scenarios(GRANITE_CFG), "all")]
+
+
+@pytest.fixture(scope="module")
+def granite_oracle():
+    oracle = Oracle(GRANITE_TINY)
+    yield oracle
+    oracle.close()
+
+
+@pytest.mark.parametrize("scenario", GRANITE_CASES)
+def test_vllm_matches_oracle_on_the_granite_fixture(scenario, granite_oracle, tiny_prompts, vllm_truncates_bf16_state):
+    """fp32 on the CPU; the two fixtures share their tokenizer, so the prompts are the same."""
+    try:
+        report = check_scenario("vllm", scenario, oracle=granite_oracle, source=tiny_prompts, dtype=torch.float32,
+                                device="cpu")
+    except ScenarioSkipped as skip:
+        pytest.skip(str(skip))
+    expect_known_findings(scenario.id, "cpu", report, vllm_truncates_bf16_state)
     assert sum(len(c.positions) for c in report.comparisons) > 0
