@@ -34,17 +34,18 @@ def granite_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def granite_oracle(granite_checkpoint):
-    oracle = Oracle(granite_checkpoint)
-    yield oracle
-    oracle.close()
+def granite_oracles(granite_checkpoint):
+    """The Granite checkpoint's oracle per device, opened on first use and closed at the end of the session."""
+    oracles: dict[str, Oracle] = {}
 
+    def on(device: str) -> Oracle:
+        if device not in oracles:
+            oracles[device] = Oracle(granite_checkpoint, device=device)
+        return oracles[device]
 
-@pytest.fixture(scope="session")
-def granite_cuda_oracle(granite_checkpoint):
-    oracle = Oracle(granite_checkpoint, device="cuda")
-    yield oracle
-    oracle.close()
+    yield on
+    for oracle in oracles.values():
+        oracle.close()
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def oracle_and_prompts(request, model_name):
     """The model's oracle (on CUDA for the bf16 test) and prompts."""
     cuda = request.function.__name__.endswith("_cuda")
     if model_name == GRANITE:
-        return request.getfixturevalue("granite_cuda_oracle" if cuda else "granite_oracle"), zoo.prompt_source(GRANITE)
+        return request.getfixturevalue("granite_oracles")("cuda" if cuda else "cpu"), zoo.prompt_source(GRANITE)
     return request.getfixturevalue("g1_cuda_oracle" if cuda else "g1_oracle"), request.getfixturevalue("g1_prompts")
 
 
