@@ -109,6 +109,16 @@ def batching_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
     return tuple(RequestShape(n, 6) for n in lengths if n >= 1)
 
 
+LONG_DECODE_TOKENS = 128
+
+
+def long_decode_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
+    """Four prompts (1, W-1, Q+1, 2Q+1 tokens) each decoding LONG_DECODE_TOKENS tokens side by side: 512 decode
+    positions, every request's SSM state carried through 128 single-token updates. A state that loses precision at
+    each update (stored in 16 bits, say) drifts further with every step, which a few decode steps cannot show."""
+    return tuple(RequestShape(n, LONG_DECODE_TOKENS) for n in dict.fromkeys([1, max(W - 1, 1), Q + 1, 2 * Q + 1]))
+
+
 def chunked_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
     """A prompt of several chunks first (3Q+2), then Q+1, W-1, Q, 2Q-1, and a one-token prompt arriving at step 2,
     4 new tokens each: under every budget the short ones are prefilled while the long one decodes."""
@@ -186,6 +196,9 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
                  f"all requests in one batch; prompt lengths {lengths}"),
         Scenario("batching-shuffled", "batching", EngineOptions(), batch,
                  "all requests in one batch, in a seeded random order", shuffle_seed=1234),
+        Scenario("batching-long-decode", "batching", EngineOptions(), long_decode_shapes(Q, W),
+                 f"{len(long_decode_shapes(Q, W))} requests decoding {LONG_DECODE_TOKENS} tokens each in one batch "
+                 "(precision lost by the SSM state at each update accumulates)", slow=True),
     ]
     for budget in chunked_prefill_budgets(Q, W):
         options = EngineOptions(max_num_batched_tokens=budget)

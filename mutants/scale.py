@@ -52,17 +52,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Richest first: a mutant stops at the first scenario that kills it (capped chunked prefill has chunk and piece
-# boundaries and continuing prefills side by side; cudagraph-on is the decode-heavy one).
+# boundaries and continuing prefills side by side; cudagraph-on is the decode-heavy one). The last two carry the
+# SSM state through hundreds of hand-offs: a budget of 3 tokens a step makes every prompt hundreds of pieces (state
+# written and read back between each), and the long decode 128 single-token updates per request; a state that loses
+# a little precision at each hand-off shows there and hides in the others' few.
 DEFAULT_SCENARIOS = ("chunked_prefill-capped-budget640-cap256-Q256,cudagraph-on,batching-together,"
-                     "chunked_prefill-budget257-Q256,preemption-blocks7x128-Q256")
+                     "chunked_prefill-budget257-Q256,preemption-blocks7x128-Q256,chunked_prefill-budget3-Q256,"
+                     "batching-long-decode")
 REPEAT = "clean-seed0-repeat.jsonl"         # seed 0 again, in another process: which clean runs are reproducible
 DONE = {"done": True}                       # a results file's last line once its worker ran everything it had to
 OUT_OF_MEMORY = 3                           # a worker's exit status when a run ran out of GPU memory
 OOM_ATTEMPTS, OOM_WAIT_S = 6, 10            # a run short of GPU memory waits for other processes this often, this long
-# GPU memory a worker takes, in multiples of the checkpoint's size on disk (bf16 for the scale models). Measured on an
-# H200 with bamba9b-2layer (4.1 GB): a process holding the fp64 oracle and its bf16 / fp32 references took 46-50 GB,
-# one running only the engine (bf16 then fp32) 18 GB.
+# GPU memory a worker takes, in multiples of the checkpoint's size on disk (bf16 for the scale models), until measured.
+# Measured on an H200 with bamba9b-2layer (4.1 GB): a process holding the fp64 oracle and its bf16 / fp32 references
+# took 46-50 GB (when the oracle still kept every row), one running only the engine (bf16 then fp32) 18 GB. Once the
+# first clean run (alone on the GPU) has recorded its peak, an oracle process is admitted on that measurement instead.
 ORACLE_PROCESS_X, ENGINE_PROCESS_X = 13, 5
+MEASURED_MARGIN, CONTEXT_GB = 1.15, 1.0     # on a measured peak (the allocator's reserve): slack, and the CUDA context
 GPU_MEMORY_SHARE = 0.9                      # of the memory free when the measurement starts
 
 
@@ -190,6 +196,7 @@ def worker(args) -> int:
                     row.update(seconds=round(time.monotonic() - start, 2), stages=stages)
                     if torch.cuda.is_available():          # what the memory gate's estimates are checked against
                         row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+                        row["peak_gpu_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 2)
                     done[(seed, sid, dtype)] = row
                     out.write(json.dumps(row) + "\n")
                     out.flush()
@@ -473,6 +480,13 @@ def _seed_groups(clean_seeds: int, procs: int) -> list[tuple[int, int]]:
     return [(rest[i], len(rest[i:i + size])) for i in range(0, len(rest), size)] if rest else []
 
 
+def measured_need(results: Path) -> float | None:
+    """The GPU memory (bytes) to admit a process like the one that wrote `results` with: its largest recorded peak
+    of reserved memory, with slack and the CUDA context; None when no row recorded one."""
+    peaks = [r["peak_gpu_reserved_gb"] for r in _read(results) if r.get("peak_gpu_reserved_gb")]
+    return (max(peaks) * MEASURED_MARGIN + CONTEXT_GB) * 1e9 if peaks else None
+
+
 def _clean_file(first: int, count: int) -> str:
     return f"clean-seed{first}.jsonl" if count == 1 else f"clean-seeds{first}-{first + count - 1}.jsonl"
 
@@ -496,12 +510,20 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     gate = MemoryGate.for_device(args.device)
     size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    oracle_need, engine_need = ORACLE_PROCESS_X * size, ENGINE_PROCESS_X * size
+    needs = {"oracle": ORACLE_PROCESS_X * size, "engine": ENGINE_PROCESS_X * size}
+
+    def measured_oracle_need():
+        """Seed 0's process held the fp64 oracle alone on the GPU: its peak is what another oracle process takes."""
+        measured = measured_need(out / "clean-seed0.jsonl")
+        if measured is not None:
+            print(f"memory gate: an oracle process needs {measured / 1e9:.1f} GB (clean seed 0's peak; the estimate "
+                  f"was {needs['oracle'] / 1e9:.1f} GB)", flush=True)
+            needs["oracle"] = measured
 
     def run(tree, results, log, *, need, **kwargs):
-        """A worker, once the GPU has room for it, stopped at the deadline; -1 (not started or stopped) once the
-        deadline has passed."""
-        with gate.hold(need):
+        """A worker (needing the memory of needs[need]), once the GPU has room for it, stopped at the deadline; -1
+        (not started or stopped) once the deadline has passed."""
+        with gate.hold(needs[need]):
             left = args.timeout if deadline is None else min(args.timeout, int(deadline - time.monotonic()))
             if left <= 0:
                 return -1
@@ -513,8 +535,9 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
           f"seed 0 again beside the mutants and the other seeds", flush=True)
     statuses = [0]
     if not (_complete(out / "clean-seed0.jsonl") and cache.is_file()):
-        statuses.append(run(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", seeds=1, need=oracle_need,
+        statuses.append(run(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", seeds=1, need="oracle",
                             cache=cache if cache.is_file() else None, save_cache=cache))
+    measured_oracle_need()
     if not cache.is_file():
         print(f"the clean run of seed 0 left no oracle cache (status {statuses[-1]}): no mutant is judged; see "
               f"{out / 'clean-seed0.log'}", file=sys.stderr)
@@ -524,13 +547,13 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
     def repeat():
         if not _complete(out / REPEAT):
             statuses.append(run(ROOT, out / REPEAT, out / REPEAT.replace(".jsonl", ".log"), seeds=1,
-                                need=engine_need, cache=cache, save_cache=None, repeat=True))
+                                need="engine", cache=cache, save_cache=None, repeat=True))
 
     def clean_group(first, count):
         results = out / _clean_file(first, count)
         if not _complete(results):
             statuses.append(run(ROOT, results, results.with_suffix(".log"), seeds=count, seed_start=first,
-                                need=oracle_need, cache=None, save_cache=None))
+                                need="oracle", cache=None, save_cache=None))
 
     def one(mutant):
         results = out / f"mutant-{mutant.name}.jsonl"
@@ -539,7 +562,7 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
         tree = scratch / mutant.name
         copy_tree(ROOT, tree)
         mutant.apply(tree)
-        statuses.append(run(tree, results, out / f"mutant-{mutant.name}.log", seeds=1, need=engine_need,
+        statuses.append(run(tree, results, out / f"mutant-{mutant.name}.log", seeds=1, need="engine",
                             cache=cache, save_cache=None, stop_at_kill=True))
         shutil.rmtree(tree, ignore_errors=True)
 

@@ -26,7 +26,7 @@ CASES = [s for s in build_scenarios(TINY_CFG) if s.kind in ("batching", "chunked
 # under `slow` (`make test-slow`, also in CI), and test_make_test_keeps_every_event checks that the cases left in
 # `make test` still produce every boundary event the whole matrix does.
 SLOW_CASES = ("chunked_prefill-budget1-Q16", "chunked_prefill-budget2-Q16")
-PARAMS = [pytest.param(s, id=s.id, marks=[pytest.mark.slow] if s.id in SLOW_CASES else []) for s in CASES]
+PARAMS = [pytest.param(s, id=s.id, marks=[pytest.mark.slow] if s.slow or s.id in SLOW_CASES else []) for s in CASES]
 
 DEVICES = [("cpu", torch.float32),
            pytest.param(("cuda", torch.bfloat16), marks=[pytest.mark.gpu, pytest.mark.skipif(

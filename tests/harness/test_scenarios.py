@@ -14,6 +14,7 @@ from harness.engine import EngineOptions
 from harness.pytest_plugin import scenario_cases
 from harness.events import plan_events
 from harness.scenarios import (
+    LONG_DECODE_TOKENS,
     PromptSource,
     batching_shapes,
     build_scenarios,
@@ -21,7 +22,7 @@ from harness.scenarios import (
     chunked_shapes,
     select_scenarios,
 )
-from harness.schedule import RequestShape, plan_steps
+from harness.schedule import RequestShape, plan_options, plan_steps
 from reference.config import ModelConfig
 
 
@@ -33,7 +34,7 @@ def model(Q: int = 16, W: int = 4, G: int = 1) -> ModelConfig:
 
 def test_scenario_ids_for_q16_w4():
     assert [s.id for s in build_scenarios(model(16, 4))] == [
-        "batching-alone", "batching-together", "batching-shuffled",
+        "batching-alone", "batching-together", "batching-shuffled", "batching-long-decode",
         "chunked_prefill-budget1-Q16", "chunked_prefill-budget2-Q16", "chunked_prefill-budget3-Q16",
         "chunked_prefill-budget15-Q16", "chunked_prefill-budget16-Q16", "chunked_prefill-budget17-Q16",
         "chunked_prefill-budget33-Q16", "chunked_prefill-budget50-Q16", "chunked_prefill-budget1000-Q16",
@@ -80,11 +81,23 @@ def test_a_leading_minus_leaves_out_what_the_name_selects():
     fewer = [s.id for s in select_scenarios(scenarios, "batching,chunked_prefill,-chunked_prefill-budget1-Q16")]
     assert "chunked_prefill-budget1-Q16" in chunked and "chunked_prefill-budget1-Q16" not in fewer
     assert set(fewer) == set(chunked) - {"chunked_prefill-budget1-Q16"} | {
-        s.id for s in scenarios if s.kind == "batching"}
+        s.id for s in scenarios if s.kind == "batching" and not s.slow}
     everything_but_tp = [s.id for s in select_scenarios(scenarios, "-tp")]
     assert everything_but_tp == [s.id for s in select_scenarios(scenarios, "all") if s.kind != "tp"]
     with pytest.raises(ValueError, match="unknown scenario 'chunky'"):
         select_scenarios(scenarios, "all,-chunky")
+
+
+@pytest.mark.parametrize("Q,W", [(16, 4), (256, 4), (8, 2)])
+def test_long_decode_carries_each_state_through_many_single_token_updates(Q, W):
+    scenario = {s.id: s for s in build_scenarios(model(Q, W))}["batching-long-decode"]
+    assert scenario.slow and scenario.kind == "batching"
+    steps = plan_steps(scenario.shapes, **plan_options(scenario.options))
+    decodes = [p for step in steps for p in step.pieces if p.decode]
+    assert len(decodes) == len(scenario.shapes) * (LONG_DECODE_TOKENS - 1) >= 3 * 127
+    # every request decodes in every step after its prefill, side by side with the others
+    assert max(sum(p.decode for p in step.pieces) for step in steps) == len(scenario.shapes)
+    assert "batching-long-decode" not in [s.id for s in select_scenarios(build_scenarios(model(Q, W)), "batching")]
 
 
 def test_shuffled_presents_the_same_requests_in_another_order():
@@ -180,11 +193,12 @@ def test_cases_over_several_models_carry_the_model_and_skip_engines_of_another_f
     assert metafunc.names == "model_name,case"
     by_id = {p.id: p for p in metafunc.params}
     assert set(by_id) == {f"{m}-{e}-batching-{k}" for m in models for e in ("reference", "server")
-                          for k in ("alone", "together", "shuffled")}
+                          for k in ("alone", "together", "shuffled", "long-decode")}
+    assert any(m.name == "slow" for m in by_id["bamba-g1-reference-batching-long-decode"].marks)
     name, (engine, scenario) = by_id["granite-reference-batching-together"].values
     assert (name, engine, scenario.id) == ("granite", "reference", "batching-together")
     skipped = [p.id for p in metafunc.params if any(m.name == "skip" for m in p.marks)]
-    assert skipped == [f"granite-server-batching-{k}" for k in ("alone", "together", "shuffled")]
+    assert skipped == [f"granite-server-batching-{k}" for k in ("alone", "together", "shuffled", "long-decode")]
     assert "not granitemoehybrid" in by_id["granite-server-batching-alone"].marks[-1].kwargs["reason"]
     metafunc.fixturenames = ["case"]
     with pytest.raises(pytest.UsageError, match="needs a `model_name` argument"):

@@ -174,3 +174,16 @@ def test_the_memory_gate_admits_workers_while_their_estimates_fit():
     assert max(e[2] for e in order if e[0] == "start") == 90
     with MemoryGate(10.0).hold(50):                   # larger than the whole capacity: runs alone, never blocks
         pass
+
+
+def test_an_oracle_process_is_admitted_on_its_measured_peak_once_there_is_one(tmp_path):
+    import json
+
+    from mutants.scale import CONTEXT_GB, MEASURED_MARGIN, measured_need
+
+    results = tmp_path / "clean-seed0.jsonl"
+    assert measured_need(results) is None                       # nothing measured yet: the size-based estimate
+    rows = [_row("s", "bfloat16", "PASS", "a"), _row("t", "bfloat16", "PASS", "b"), _row("t", "float32", "SKIP", "")]
+    rows[0]["peak_gpu_reserved_gb"], rows[1]["peak_gpu_reserved_gb"] = 20.0, 31.5
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"done": true}\n')
+    assert measured_need(results) == pytest.approx((31.5 * MEASURED_MARGIN + CONTEXT_GB) * 1e9)
