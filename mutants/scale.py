@@ -35,6 +35,7 @@ The worker mode (--worker) is what runs inside each tree.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -200,6 +201,7 @@ def worker(args) -> int:
                     done[(seed, sid, dtype)] = row
                     out.write(json.dumps(row) + "\n")
                     out.flush()
+                    gc.collect()                # what a run left in reference cycles, before the next one starts
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
         if args.save_cache:

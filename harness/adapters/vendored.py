@@ -115,7 +115,8 @@ class VendoredEngine(Engine):
 
     def _close_engine(self) -> None:
         if self.engine is not None:
-            self.engine.close()             # joins the worker processes of a parallel engine
+            self.engine.close()             # joins a parallel engine's workers; frees the weights and caches
+            self.engine.__dict__.pop("step", None)      # the step counter's closure: a cycle back to the engine
             self.engine = None
 
     def close(self) -> None:

@@ -142,10 +142,11 @@ def _all_workers_gone(engine: LLMEngine) -> bool:
 def test_close_joins_every_worker_and_removes_the_run_directory(checkpoints):
     oracle, _ = checkpoints.oracle({"mamba_n_groups": 2})
     engine = _tp2_engine(oracle)
-    run_dir = engine.model.spec.run_dir
+    model = engine.model
+    run_dir = model.spec.run_dir
     engine.generate([("a", [1, 2, 3], 1)])
     engine.close()
-    assert [proc.exitcode for proc in engine.model.processes] == [0, 0]
+    assert [proc.exitcode for proc in model.processes] == [0, 0]
     assert not os.path.exists(run_dir)
 
 

@@ -133,16 +133,26 @@ class LLMEngine:
         self.total_preemptions = 0
 
     def close(self) -> None:
-        """Stop and join the worker processes of a parallel engine (nothing to do for a single-process one)."""
+        """Stop and join the worker processes of a parallel engine, and let go of the weights, K/V cache, SSM states
+        and captured graphs, so that their device memory is free at once, even while something still refers to the
+        engine (a reference cycle would otherwise hold it until the garbage collector runs). A closed engine raises
+        EngineError when used."""
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
+        self.model = self.kv = self.states = self.graphs = self.scheduler = None
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise EngineError("this engine is closed: its weights and caches were released by close()")
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int = 0, top_k: int = 5,
                     keep_rows: bool = False, prompt_top: bool = False) -> None:
         """Queue a request; EngineError naming the request (and the position) if the engine cannot serve it.
         keep_rows: return every position's full log-softmax row; prompt_top: the top-k at prompt positions too."""
+        self._check_open()
         prompt = self._checked_prompt(request_id, prompt, max_new_tokens)
         self.scheduler.add(Sequence(request_id, prompt, max_new_tokens, top_k, self._arrivals, keep_rows=keep_rows,
                                     prompt_logprobs=[None] * (len(prompt) - 1),
@@ -174,10 +184,11 @@ class LLMEngine:
         return prompt
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler is not None and self.scheduler.has_work()
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._check_open()
         pieces = self.scheduler.schedule()
         if not pieces:
             raise EngineError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
@@ -327,6 +338,7 @@ class LLMEngine:
                  max_steps: int = 1_000_000) -> list[RequestOutput]:
         """Run requests (id, prompt, max_new_tokens) to completion; arrivals maps a step number to more requests
         that arrive before that step. Returns outputs in the order the requests were given."""
+        self._check_open()
         pending = dict(arrivals or {})
         order = [r[0] for r in requests] + [r[0] for step in sorted(pending) for r in pending[step]]
         self._check_all(requests, pending)
