@@ -33,6 +33,9 @@ Greedy generation: the candidate's tokens must be the baseline's. A different to
 the baseline's logprob of its own token exceeds its logprob of the candidate's token by at most the budget (so the
 baseline's top-2 margin is within the budget and the candidate chose one of the near-tied tokens); past that step the
 candidate is re-run teacher-forced on the baseline's tokens and those positions are compared like prompt positions.
+The baseline's logprob of the candidate's token comes from its full rows, else its top-k, else (the fp64 oracle
+at a large vocabulary) its NEAR_TIE_K most likely tokens of each generated position (harness/runner.py). A token
+in none of them is not taken for a near-tie: the failure says so, with the bound the last listed token gives.
 
 The excess test (16-bit candidates against the oracle). The max budget bounds the worst position; a bug that
 doubles the error everywhere stays inside it, since a bf16 model's typical error is a fraction of its largest. So
@@ -171,6 +174,9 @@ class Failure:
             delta = abs(self.candidate_logprob - self.baseline_logprob)
             return (f"{head}: token {self.baseline_token}: {self.baseline_name} logprob {self.baseline_logprob:.6f}, "
                     f"candidate {self.candidate_logprob:.6f}, |Δ| {delta:.3g} > budget {self.budget:.3g}")
+        if self.what == "token" and self.detail:
+            return (f"{head}: {self.baseline_name} token {self.baseline_token} (logprob {self.baseline_logprob:.6f}), "
+                    f"candidate token {self.candidate_token}: {self.detail}")
         if self.what == "token":
             return (f"{head}: {self.baseline_name} token {self.baseline_token} (logprob {self.baseline_logprob:.6f}), "
                     f"candidate token {self.candidate_token} ({self.baseline_name} logprob of it "
@@ -260,22 +266,40 @@ class _Rows:
     top_ids: torch.Tensor           # (L, K)
     top_logprobs: torch.Tensor      # (L, K)
     dists: torch.Tensor | None      # (L, V)
+    near: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)   # row -> wide (ids, logprobs)
 
     @classmethod
     def of(cls, request: Request, result: RequestResult) -> "_Rows":
         dists = None
         if result.prompt_dists is not None and result.output_dists is not None:
             dists = torch.cat([result.prompt_dists, result.output_dists])
+        near = {}
+        if result.output_near_ids is not None and result.output_near_logprobs is not None:
+            first = len(request.prompt) - 1
+            near = {first + j: (ids, values) for j, (ids, values)
+                    in enumerate(zip(result.output_near_ids, result.output_near_logprobs))}
         return cls(list(request.prompt[1:]) + list(result.output_ids), result.sequence_logprobs(),
                    torch.cat([result.prompt_top_ids, result.output_top_ids]),
-                   torch.cat([result.prompt_top_logprobs, result.output_top_logprobs]), dists)
+                   torch.cat([result.prompt_top_logprobs, result.output_top_logprobs]), dists, near)
 
     def logprob_of(self, row: int, token: int) -> float:
-        """This side's logprob of `token` at `row`; -inf when only top-k is known and it is not in it."""
+        """This side's logprob of `token` at `row`; -inf when only its top lists are known and it is in neither."""
         if self.dists is not None:
             return float(self.dists[row, token])
-        hits = (self.top_ids[row] == token).nonzero()
-        return float(self.top_logprobs[row, hits[0, 0]]) if len(hits) else -math.inf
+        for ids, values in ((self.top_ids[row], self.top_logprobs[row]), self.near.get(row, (None, None))):
+            if ids is not None:
+                hits = (ids == token).nonzero()
+                if len(hits):
+                    return float(values[hits[0, 0]])
+        return -math.inf
+
+    def listed(self, row: int) -> tuple[int, float]:
+        """How many of this row's most likely tokens are known (the whole vocabulary with full rows), and the
+        logprob of the last of them: a bound on the logprob of every token not listed."""
+        if self.dists is not None:
+            return self.dists.shape[1], -math.inf
+        ids, values = self.near.get(row, (self.top_ids[row], self.top_logprobs[row]))
+        return len(ids), float(values[-1])
 
 
 def kl_divergence(base: _Rows, cand: _Rows, row: int) -> float:
@@ -387,8 +411,15 @@ def _compare_request(scenario: str, req: Request, base_result: RequestResult, ca
     b_token, c_token = base_result.output_ids[split], cand_result.output_ids[split]
     b_lp, c_lp_base = float(base.logprobs[row]), base.logprob_of(row, c_token)
     if not b_lp - c_lp_base <= budget:
+        detail = ""
+        if c_lp_base == -math.inf:          # not among the tokens the baseline listed: only a bound is known
+            listed, last = base.listed(row)
+            detail = (f"not among the {baseline_name}'s {listed} most likely tokens (the last at logprob {last:.4g}): "
+                      f"margin >= {b_lp - last:.3g}" + (f" <= budget {budget:.3g}: cannot show it is a near-tie, "
+                                                         "so it is not taken for one" if b_lp - last <= budget
+                                                         else f" > budget {budget:.3g}, not a near-tie"))
         failures.append(Failure(scenario, req.request_id, row + 1, f"generated step {split}", "token", b_token,
-                                c_token, b_lp, c_lp_base, budget, baseline_name))
+                                c_token, b_lp, c_lp_base, budget, baseline_name, detail))
     if forced_result is None:
         out.not_compared = list(range(row + 1, T + n))
         return out, failures

@@ -84,6 +84,9 @@ class RequestResult:
     prompt_top_ids, prompt_top_logprobs (T-1, K): the K most likely tokens at each of those positions.
     output_ids (n,): greedy tokens; output_logprobs (n,) their logprobs; output_top_* (n, K).
     prompt_dists (T-1, V), output_dists (n, V): full log-softmax rows when the request asked and the engine can.
+    output_near_ids, output_near_logprobs (n, N): the N most likely tokens at each generated position, N much larger
+    than K, where an engine provides them (the oracle does: NEAR_TIE_K), so that a judge can look up its logprob of
+    a different greedy token a candidate chose without whole rows.
     """
 
     request_id: str
@@ -96,6 +99,8 @@ class RequestResult:
     output_top_logprobs: torch.Tensor
     prompt_dists: torch.Tensor | None = None
     output_dists: torch.Tensor | None = None
+    output_near_ids: torch.Tensor | None = None
+    output_near_logprobs: torch.Tensor | None = None
 
     def sequence_logprobs(self) -> torch.Tensor:
         """Logprobs of positions 1..T+n-1: prompt then output, (T-1+n,)."""

@@ -35,6 +35,10 @@ FULL_DISTRIBUTION_LIMIT = 1 << 24
 # The oracle prefills at most this many tokens per step: its attention materialises (Hq, T_piece, T) scores, and
 # pieces are exact by construction (tests/harness/test_chunked_reference.py checks chunked == whole).
 ORACLE_STEP_TOKENS = 4096
+# The oracle's results also list the NEAR_TIE_K most likely tokens of every generated position (when it does not
+# return whole rows): a candidate whose greedy token differs from the oracle's is judged on the oracle's logprob of
+# its token, which its top-k alone seldom holds at a large vocabulary (a 9.8B model in bf16 chose the oracle's 6th).
+NEAR_TIE_K = 256
 
 
 Progress = Callable[[str, int], None]
@@ -88,16 +92,23 @@ class Oracle:
                                     max_num_batched_tokens=1 if narrower else ORACLE_STEP_TOKENS,
                                     engine_args={"gated_norm": self.gated_norm})
             self._engines[key] = ReferenceEngine(self.checkpoint, dtype=dtype, device=self.device, options=options)
+            if key == (torch.float64, None):                # the oracle proper: results() runs it
+                self._engines[key].near_k = NEAR_TIE_K
         return self._engines[key]
 
     def _make_room(self, dtype: torch.dtype) -> None:
         """Before another reference model is loaded on a GPU, the ones loaded are closed (their results and errors
         stay memoised) when the free memory would not hold the new one's weights with a quarter to spare: a 9.8B
         model in fp64 (78 GB) beside its bf16 twins and the candidate does not fit one 141 GB GPU at once."""
+        self.make_room(parameter_count(self.checkpoint) * dtype.itemsize)
+
+    def make_room(self, nbytes: float) -> None:
+        """On a GPU, close the reference models held (what they computed stays memoised) when the free memory would
+        not hold `nbytes` of weights with a quarter to spare: for another reference model, or for the candidate
+        (at 9.8B the fp64 oracle and its two bf16 twins leave a bf16 candidate 2 GB for its activations)."""
         if not self._engines or not _on_gpu(self.device):
             return
-        need = ROOM_FACTOR * parameter_count(self.checkpoint) * dtype.itemsize
-        if _free_memory(self.device) < need:
+        if _free_memory(self.device) < ROOM_FACTOR * nbytes:
             self.close()
 
     def results(self, requests: Sequence[Request]) -> list[RequestResult]:
@@ -239,6 +250,7 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
             noise = oracle.noise_floor(requests, dtype, options, atol=budget.atol,
                                        engine_state_dtype=engine_cls.default_ssm_state_dtype)
         _enter(progress, engine_cls.name, candidate)
+        oracle.make_room(parameter_count(oracle.checkpoint) * dtype.itemsize)      # the candidate's weights
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                               candidate=candidate.run(requests), budget=budget, rerun=candidate.run, noise=noise)
         hint = getattr(engine_cls, "oracle_hint", None)       # an engine known to compute another model here
@@ -300,6 +312,7 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
         if reasons:
             raise ScenarioSkipped([f"baseline {base_cls.name}: {r}" for r in reasons])
         _enter(progress, f"baseline {baseline_name}", base_engine)
+        oracle.make_room(parameter_count(oracle.checkpoint) * against_dtype.itemsize)
         baseline = base_engine.run(requests)
     _enter(progress, "budget")
     own, theirs = (oracle.budget(requests, d, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
@@ -310,6 +323,7 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
         if reasons:
             raise ScenarioSkipped(reasons)
         _enter(progress, engine_cls.name, candidate)
+        oracle.make_room(parameter_count(oracle.checkpoint) * dtype.itemsize)
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                               candidate=candidate.run(requests), budget=budget, rerun=candidate.run,
                               baseline_name=baseline_name)

@@ -18,7 +18,7 @@ import torch
 from reference.model import BambaReference, SequenceState
 
 from ..engine import (Engine, EngineOptions, Request, RequestResult, RowSummary, log_softmax, parse_dtype,
-                      result_from_summary, summarise_rows)
+                      result_from_summary, summarise_rows, top_k_lower_index)
 from ..schedule import Piece, RequestShape, plan_options, plan_steps
 
 
@@ -28,6 +28,7 @@ class ReferenceEngine(Engine):
     families = ("bamba", "granitemoehybrid")
     engine_arg_names = frozenset({"gated_norm"})
     has_scheduler = True
+    near_k = 0          # > 0: also the near_k most likely tokens of every generated position (the Oracle sets it)
 
     @classmethod
     def _unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: torch.device) -> list[str]:
@@ -73,6 +74,7 @@ class ReferenceEngine(Engine):
         # rows of a 128K vocabulary in fp64 until the end would take a megabyte a position
         parts: list[list[tuple[list[int], RowSummary]]] = [[] for _ in requests]
         done: list[set[int]] = [set() for _ in requests]          # positions summarised (a recomputed one is not)
+        near: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in requests]   # generated rows
         outputs: list[list[int]] = [[] for _ in requests]
         for step in plan:
             tokens = []
@@ -98,6 +100,11 @@ class ReferenceEngine(Engine):
                     parts[piece.request].append((positions, summarise_rows(
                         rows, [known[p + 1] for p in positions], req.top_k, full=req.full_distributions)))
                     done[piece.request].update(positions)
+                    generated = [i for i, p in enumerate(positions) if p >= len(req.prompt) - 1]
+                    if self.near_k and generated:
+                        values, ids = top_k_lower_index(rows[generated], min(self.near_k, rows.shape[1]))
+                        for i, v, t in zip(generated, values.to("cpu", torch.float64), ids.cpu()):
+                            near[piece.request][positions[i]] = (t, v)
             logits = logprobs = rows = None                 # freed before the next step's forward allocates its own
         results = []
         for req, req_parts, out in zip(requests, parts, outputs):
@@ -107,5 +114,10 @@ class ReferenceEngine(Engine):
                 raise RuntimeError(f"request {req.request_id!r}: the plan computed positions "
                                    f"{sorted(positions)[:8]}..., not every one of 0..{len(req.prompt) - 2 + len(out)}")
             summary = RowSummary.join([part for _, part in req_parts], order)
-            results.append(result_from_summary(req, summary, out))
+            result = result_from_summary(req, summary, out)
+            if self.near_k and out:
+                rows = [near[len(results)][p] for p in range(len(req.prompt) - 1, len(req.prompt) - 1 + len(out))]
+                result.output_near_ids = torch.stack([t for t, _ in rows])
+                result.output_near_logprobs = torch.stack([v for _, v in rows])
+            results.append(result)
         return results

@@ -101,6 +101,54 @@ def test_divergence_at_a_clear_margin_fails_naming_both_tokens():
     assert "not a near-tie" in message
 
 
+def _with_near(req, rows, out, near_k):
+    """The baseline as the oracle returns it at a large vocabulary: top-k only, plus the near_k most likely tokens
+    of each generated position."""
+    result = result_from_logprobs(req, rows, out)
+    gen = rows[len(PROMPT) - 1:]
+    result.output_near_logprobs, result.output_near_ids = gen.topk(near_k, dim=-1)
+    return result
+
+
+@pytest.mark.parametrize("near_k", [0, 5], ids=["top-k-only", "near-list"])
+def test_a_near_tie_outside_the_baselines_top_k_is_found_in_its_near_list(near_k):
+    """The candidate takes the baseline's 4th token at a step where it trails the first by less than the budget:
+    with top-2 lists alone the judge cannot see that it is a near-tie (and says so: it fails closed, with the
+    bound it knows), with the oracle's wider list of generated positions it can."""
+    rows, out = stream()
+    step, row = 1, len(PROMPT)
+    order = rows[row].argsort(descending=True)
+    rows[row, order[1:4]] = rows[row, order[0]] - torch.tensor([2e-5, 4e-5, 6e-5], dtype=torch.float64)
+    rows = torch.log_softmax(rows, dim=-1)
+    out = [int(rows[len(PROMPT) - 1 + s].argmax()) for s in range(N_NEW)]
+    fourth = int(rows[row].argsort(descending=True)[3])
+    cand_out = [out[0], fourth, 0]
+    req = request(full=False, top_k=2)
+    base = _with_near(req, rows, out, near_k) if near_k else result_from_logprobs(req, rows, out)
+    report = compare_runs(scenario="synthetic", requests=[req], baseline=[base],
+                          candidate=[result_from_logprobs(req, rows.clone(), cand_out)], budget=BUDGET,
+                          rerun=lambda reqs: [result_from_logprobs(r, rows.clone(), []) for r in reqs])
+    if near_k:
+        assert report.passed, report.message()
+    else:
+        (failure,) = report.failures
+        assert failure.what == "token" and failure.position == row + 1
+        assert "not among the oracle's 2 most likely tokens" in failure.message()
+        assert "cannot show it is a near-tie" in failure.message()
+
+
+def test_a_token_below_the_whole_near_list_by_more_than_the_budget_is_no_near_tie():
+    rows, out = stream(margins={1: 1.0})
+    req = request(full=False, top_k=2)
+    row = len(PROMPT)
+    last = int(rows[row].argsort(descending=True)[-1])          # the least likely token of the row
+    report = compare_runs(scenario="synthetic", requests=[req], baseline=[_with_near(req, rows, out, 4)],
+                          candidate=[result_from_logprobs(req, rows.clone(), [out[0], last, 0])], budget=BUDGET)
+    (failure,) = [f for f in report.failures if f.what == "token"]
+    assert "not among the oracle's 4 most likely tokens" in failure.message()
+    assert "not a near-tie" in failure.message() and "cannot show" not in failure.message()
+
+
 def test_positions_after_a_divergence_are_still_compared():
     rows, out = stream(margins={0: 5e-5})
     cand_out = [len(PROMPT) % V, 0, 0]

@@ -95,3 +95,58 @@ def test_the_reference_engine_holds_no_rows_past_their_step(monkeypatch):
         torch.testing.assert_close(a.sequence_logprobs(), b.sequence_logprobs(), rtol=0, atol=1e-12)
         assert torch.equal(a.prompt_top_ids, b.prompt_top_ids) and torch.equal(a.output_top_ids, b.output_top_ids)
     assert stepped[0].prompt_dists is None and stepped[1].prompt_dists.shape == (2, stepped[1].prompt_dists.shape[1])
+
+
+def test_the_oracle_lists_the_most_likely_tokens_of_each_generated_position():
+    """Beside its top-k, the oracle keeps the NEAR_TIE_K most likely tokens of every generated position (the judge
+    looks up there its logprob of a candidate's different greedy token): exactly the leading entries of the full
+    rows, ranked as top-k ranks them, for a request split over several steps (a preempted, recomputed one too)."""
+    from harness.engine import EngineOptions
+
+    requests = [Request("a", (1, 5, 9, 2, 7, 3), 4, top_k=2), Request("b", (4, 4, 8), 3, top_k=2)]
+    oracle = Oracle(TINY)
+    near = oracle.results(requests)
+    full = oracle.results([Request(r.request_id, r.prompt, r.max_new_tokens, 2, 0, True) for r in requests])
+    chunked = runner.ReferenceEngine(TINY, options=EngineOptions(max_num_batched_tokens=2, num_kv_blocks=4,
+                                                                 kv_block_size=4))
+    chunked.near_k = runner.NEAR_TIE_K
+    for n, f, c in zip(near, full, chunked.run(requests)):
+        k = min(runner.NEAR_TIE_K, f.output_dists.shape[1])
+        assert n.output_near_ids.shape == (len(n.output_ids), k)
+        values, ids = f.output_dists.sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(n.output_near_ids, ids[:, :k]) and torch.equal(n.output_near_logprobs, values[:, :k])
+        assert torch.equal(c.output_near_ids, n.output_near_ids)
+        torch.testing.assert_close(c.output_near_logprobs, n.output_near_logprobs, rtol=0, atol=1e-12)
+    assert oracle.engine(torch.float32).near_k == 0              # the references in other dtypes need none
+    oracle.close()
+
+
+def test_the_candidate_gets_room_before_it_loads(monkeypatch):
+    """At 9.8B the fp64 oracle and its two bf16 twins leave a bf16 candidate 2 GB on an H200 for its activations
+    (the 32-layer compare ran out of memory there): before the candidate runs, the reference models are closed
+    when its weights would not fit with a quarter to spare; with room, they stay (no reload in the next scenario)."""
+    from harness.scenarios import PromptSource, build_scenarios
+    from reference.config import ModelConfig
+
+    scenario = next(s for s in build_scenarios(ModelConfig.from_json(TINY)) if s.id == "batching-together")
+    monkeypatch.setattr(runner, "_on_gpu", lambda device: True)
+    candidate_need = parameter_count(TINY) * 4
+    for free, kept in ((ROOM_FACTOR * candidate_need - 1, False), (ROOM_FACTOR * candidate_need, True)):
+        seen = {}
+        original = runner.ReferenceEngine.run
+
+        def watched(self, requests, original=original, seen=seen):  # the candidate: the "reference" engine in fp32
+            if self.dtype == torch.float32 and self.options.max_num_batched_tokens is None:
+                seen["references held"] = set(oracle._engines)
+            return original(self, requests)
+
+        monkeypatch.setattr(runner.ReferenceEngine, "run", watched)
+        monkeypatch.setattr(runner, "_free_memory", lambda device: 1e15)
+        oracle = Oracle(TINY)
+        requests = scenario.requests(PromptSource(512, seed=0))
+        oracle.budget(requests, torch.float32)                  # the fp64 oracle and its fp32 twin loaded
+        monkeypatch.setattr(runner, "_free_memory", lambda device, free=free: free)
+        report = runner.check_scenario("reference", scenario, oracle=oracle, source=PromptSource(512, seed=0))
+        assert report.passed, report.message()
+        assert bool(seen["references held"]) == kept, seen
+        oracle.close()
