@@ -65,10 +65,11 @@ DONE = {"done": True}                       # a results file's last line once it
 OUT_OF_MEMORY = 3                           # a worker's exit status when a run ran out of GPU memory
 OOM_ATTEMPTS, OOM_WAIT_S = 6, 10            # a run short of GPU memory waits for other processes this often, this long
 # GPU memory a worker takes, in multiples of the checkpoint's size on disk (bf16 for the scale models), until measured.
-# Measured on an H200 with bamba9b-2layer (4.1 GB): a process holding the fp64 oracle and its bf16 / fp32 references
-# took 46-50 GB (when the oracle still kept every row), one running only the engine (bf16 then fp32) 18 GB. Once the
-# first clean run (alone on the GPU) has recorded its peak, an oracle process is admitted on that measurement instead.
-ORACLE_PROCESS_X, ENGINE_PROCESS_X = 13, 5
+# Measured on an H200 with bamba9b-2layer (4.1 GB), peak reserved memory per process over all seven scenarios and
+# both dtypes (2026-12-02, after LLMEngine.close freed a closed engine at once): a process holding the fp64 oracle
+# and its bf16 / fp32 references 23-41 GB, one running only the engine 4-16 GB. Once the first clean run (alone on
+# the GPU) has recorded its peak, an oracle process is admitted on that measurement instead.
+ORACLE_PROCESS_X, ENGINE_PROCESS_X = 11, 4
 MEASURED_MARGIN, CONTEXT_GB = 1.15, 1.0     # on a measured peak (the allocator's reserve): slack, and the CUDA context
 GPU_MEMORY_SHARE = 0.9                      # of the memory free when the measurement starts
 
