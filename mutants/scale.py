@@ -8,9 +8,10 @@ false-failure rate on the same workload (`make mutants-scale`, on a CUDA machine
 1. The model (harness/scale.py) is written to --model-dir unless it is there.
 2. The clean tree judges the vendored engine on every selected scenario, in every dtype, for each of
    --clean-seeds prompt seeds (the false-failure measurement: every one of these runs must pass). Seed 0 runs
-   first, alone, and saves its oracle results (harness/runner.py, Oracle.save_cache) so that no mutant process
-   loads the fp64 model; then seed 0 runs again in another process, against that cache, to show which runs are
-   bit-reproducible; seeds 1.. run in --clean-procs processes, each loading the oracle once for its seeds.
+   first and saves its oracle results (harness/runner.py, Oracle.save_cache) so that no mutant process loads the
+   fp64 model; then seed 0 runs again in another process, against that cache, to show which runs are
+   bit-reproducible. Seeds 1.. run from the start, beside seed 0, in --clean-procs processes, each loading the
+   oracle once for its seeds.
 3. Each engine mutant of mutants/defs (one that edits vendored/) is planted in its own scratch copy of the tree
    (mutants/run.py's copy) and judged on seed 0, --jobs processes at a time on the one GPU. Per dtype the
    scenarios run in the order given and stop at the first that kills it (that scenario is the one the table
@@ -534,18 +535,16 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
                                dtypes=args.dtypes, device=args.device, timeout=left, **kwargs)
 
     print(f"clean runs: {args.clean_seeds} seeds × {len(args.scenarios.split(','))} scenarios × "
-          f"{len(args.dtypes.split(','))} dtypes; seed 0 first, alone (its oracle results are every mutant's), then "
-          f"seed 0 again beside the mutants and the other seeds", flush=True)
+          f"{len(args.dtypes.split(','))} dtypes; seed 0 first (its oracle results are every mutant's), the other "
+          f"seeds beside it, then seed 0 again beside the mutants", flush=True)
     statuses = [0]
-    if not (_complete(out / "clean-seed0.jsonl") and cache.is_file()):
-        statuses.append(run(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", seeds=1, need="oracle",
-                            cache=cache if cache.is_file() else None, save_cache=cache))
-    measured_oracle_need()
-    if not cache.is_file():
-        print(f"the clean run of seed 0 left no oracle cache (status {statuses[-1]}): no mutant is judged; see "
-              f"{out / 'clean-seed0.log'}", file=sys.stderr)
-        return statuses
     scratch = Path(tempfile.mkdtemp(prefix="mutants-scale-"))
+
+    def seed0():
+        if not (_complete(out / "clean-seed0.jsonl") and cache.is_file()):
+            statuses.append(run(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", seeds=1, need="oracle",
+                                cache=cache if cache.is_file() else None, save_cache=cache))
+        measured_oracle_need()
 
     def repeat():
         if not _complete(out / REPEAT):
@@ -570,12 +569,20 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
         shutil.rmtree(tree, ignore_errors=True)
 
     try:
-        # Every worker waits for the memory gate: the clean seed groups each hold the fp64 oracle, a mutant or the
-        # repeat of seed 0 only an engine (they judge against seed 0's cached oracle results).
-        with ThreadPoolExecutor(max_workers=max(1, len(groups))) as seeds_pool, \
+        # Every worker waits for the memory gate: the clean seed groups each hold the fp64 oracle and need nothing
+        # else, so they start at once, beside seed 0; a mutant or the repeat of seed 0 holds only an engine and
+        # judges against seed 0's cached oracle results, so they start once seed 0 has left its cache.
+        with ThreadPoolExecutor(max_workers=1 + len(groups)) as seeds_pool, \
                 ThreadPoolExecutor(max_workers=max(1, args.jobs)) as mutant_pool:
-            futures = [mutant_pool.submit(repeat)] + [mutant_pool.submit(one, m) for m in judged]
-            futures += [seeds_pool.submit(clean_group, first, count) for first, count in groups]
+            seed_futures = [seeds_pool.submit(seed0)]
+            seed_futures += [seeds_pool.submit(clean_group, first, count) for first, count in groups]
+            seed_futures[0].result()
+            futures = list(seed_futures)
+            if cache.is_file():
+                futures += [mutant_pool.submit(repeat)] + [mutant_pool.submit(one, m) for m in judged]
+            else:
+                print(f"the clean run of seed 0 left no oracle cache (status {statuses[-1]}): no mutant is judged; "
+                      f"see {out / 'clean-seed0.log'}", file=sys.stderr)
             for future in tqdm(as_completed(futures), total=len(futures), desc="mutants and clean seeds",
                                unit="run"):
                 future.result()

@@ -187,3 +187,50 @@ def test_an_oracle_process_is_admitted_on_its_measured_peak_once_there_is_one(tm
     rows[0]["peak_gpu_reserved_gb"], rows[1]["peak_gpu_reserved_gb"] = 20.0, 31.5
     results.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"done": true}\n')
     assert measured_need(results) == pytest.approx((31.5 * MEASURED_MARGIN + CONTEXT_GB) * 1e9)
+
+
+def test_clean_seeds_start_beside_seed_0_and_mutants_wait_for_its_oracle_cache(tmp_path, monkeypatch):
+    """The orchestration, with workers faked: the clean seed groups need no cache and start at once, beside seed 0;
+    the repeat of seed 0 and every mutant judge against seed 0's cached oracle results, so none starts before seed 0
+    has ended and left its cache."""
+    import json
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import mutants.run
+    from mutants import scale
+
+    events, lock = [], threading.Lock()
+
+    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, **kwargs):
+        with lock:
+            events.append(("start", results.name, time.monotonic()))
+        time.sleep(0.3 if results.name == "clean-seed0.jsonl" else 0.05)
+        if save_cache is not None:
+            save_cache.write_bytes(b"cache")
+        results.write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=seed_start, verdict="PASS")) + "\n"
+                           + json.dumps(scale.DONE) + "\n")
+        with lock:
+            events.append(("end", results.name, time.monotonic()))
+        return 0
+
+    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"0" * 100)
+    args = SimpleNamespace(model_dir=str(model), model="m", resume=False, time_limit=None, device="cpu", jobs=2,
+                           scenarios="s", dtypes="bfloat16", clean_seeds=5, timeout=60)
+    judged = [SimpleNamespace(name=f"m{i}", apply=lambda tree: None) for i in range(3)]
+    (tmp_path / "out").mkdir()
+    statuses = scale._measure(args, tmp_path / "out", judged, scale._seed_groups(5, 2))
+    assert set(statuses) == {0}
+    start = {name: t for kind, name, t in events if kind == "start"}
+    end = {name: t for kind, name, t in events if kind == "end"}
+    assert set(start) == {"clean-seed0.jsonl", "clean-seeds1-2.jsonl", "clean-seeds3-4.jsonl", scale.REPEAT,
+                          "mutant-m0.jsonl", "mutant-m1.jsonl", "mutant-m2.jsonl"}
+    assert all(start[f"clean-seeds{a}.jsonl"] < end["clean-seed0.jsonl"] for a in ("1-2", "3-4"))
+    assert all(start[name] >= end["clean-seed0.jsonl"] for name in start
+               if name.startswith("mutant-") or name == scale.REPEAT)
