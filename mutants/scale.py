@@ -68,8 +68,8 @@ OOM_ATTEMPTS, OOM_WAIT_S = 6, 10            # a run short of GPU memory waits fo
 # GPU memory a worker takes, in multiples of the checkpoint's size on disk (bf16 for the scale models), until measured.
 # Measured on an H200 with bamba9b-2layer (4.1 GB), peak reserved memory per process over all seven scenarios and
 # both dtypes (2026-12-02, after LLMEngine.close freed a closed engine at once): a process holding the fp64 oracle
-# and its bf16 / fp32 references 23-41 GB, one running only the engine 4-16 GB. Once the first clean run (alone on
-# the GPU) has recorded its peak, an oracle process is admitted on that measurement instead.
+# and its bf16 / fp32 references 23-41 GB, one running only the engine 4-16 GB. Once clean seed 0's process has
+# recorded its peak (torch counts it per process), an oracle process is admitted on that measurement instead.
 ORACLE_PROCESS_X, ENGINE_PROCESS_X = 11, 4
 MEASURED_MARGIN, CONTEXT_GB = 1.15, 1.0     # on a measured peak (the allocator's reserve): slack, and the CUDA context
 GPU_MEMORY_SHARE = 0.9                      # of the memory free when the measurement starts
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _seed_groups(clean_seeds: int, procs: int) -> list[tuple[int, int]]:
-    """Seeds 1..clean_seeds-1 as (first, count) for each of `procs` processes (seed 0 runs first, alone)."""
+    """Seeds 1..clean_seeds-1 as (first, count) for each of `procs` processes (seed 0 runs in its own process)."""
     rest = list(range(1, clean_seeds))
     size = -(-len(rest) // max(1, procs)) if rest else 0
     return [(rest[i], len(rest[i:i + size])) for i in range(0, len(rest), size)] if rest else []
@@ -517,7 +517,8 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
     needs = {"oracle": ORACLE_PROCESS_X * size, "engine": ENGINE_PROCESS_X * size}
 
     def measured_oracle_need():
-        """Seed 0's process held the fp64 oracle alone on the GPU: its peak is what another oracle process takes."""
+        """Seed 0's process held the fp64 oracle: its peak (per process, whatever else runs) is what another oracle
+        process takes."""
         measured = measured_need(out / "clean-seed0.jsonl")
         if measured is not None:
             print(f"memory gate: an oracle process needs {measured / 1e9:.1f} GB (clean seed 0's peak; the estimate "
