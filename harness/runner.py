@@ -44,6 +44,10 @@ NEAR_TIE_K = 256
 Progress = Callable[[str, int], None]
 # A reference model on a GPU needs its weights and this much again as a share of them for its activations.
 ROOM_FACTOR = 1.25
+# A candidate needs its weights twice over: its own caches (an SSM state per slot, fp32 by default, the K/V blocks)
+# and its logits come on top. Measured at 9.8B on an H200: the fp64 oracle and its two bf16 twins (118 GB) left
+# 32 GB, more than 1.25x the bf16 candidate's 19.6 GB of weights, and batching-together still ran out of memory.
+CANDIDATE_ROOM_FACTOR = 2.0
 
 
 def _on_gpu(device: torch.device) -> bool:
@@ -102,14 +106,30 @@ class Oracle:
         model in fp64 (78 GB) beside its bf16 twins and the candidate does not fit one 141 GB GPU at once."""
         self.make_room(parameter_count(self.checkpoint) * dtype.itemsize)
 
-    def make_room(self, nbytes: float) -> None:
+    def make_room(self, nbytes: float, factor: float = ROOM_FACTOR) -> None:
         """On a GPU, close the reference models held (what they computed stays memoised) when the free memory would
-        not hold `nbytes` of weights with a quarter to spare: for another reference model, or for the candidate
-        (at 9.8B the fp64 oracle and its two bf16 twins leave a bf16 candidate 2 GB for its activations)."""
+        not hold `factor` times `nbytes` of weights: another reference model's (ROOM_FACTOR), or the candidate's
+        (CANDIDATE_ROOM_FACTOR: at 9.8B the fp64 oracle and its two bf16 twins leave a bf16 candidate too little)."""
         if not self._engines or not _on_gpu(self.device):
             return
-        if _free_memory(self.device) < ROOM_FACTOR * nbytes:
+        if _free_memory(self.device) < factor * nbytes:
             self.close()
+
+    def holds_gpu_models(self) -> bool:
+        return bool(self._engines) and _on_gpu(self.device)
+
+    def run_beside(self, engine: Engine, requests: Sequence[Request], dtype: torch.dtype) -> list[RequestResult]:
+        """`engine` (a candidate or a baseline) on `requests`, after making room for its weights in `dtype`. Should
+        it still run out of GPU memory while reference models are held, they are closed (their results stay) and it
+        runs once more: the harness's own models are never why an engine fails."""
+        self.make_room(parameter_count(self.checkpoint) * dtype.itemsize, CANDIDATE_ROOM_FACTOR)
+        try:
+            return engine.run(requests)
+        except torch.cuda.OutOfMemoryError:
+            if not self.holds_gpu_models():
+                raise
+        self.close()            # outside the handler: the failed run's frames (and its tensors) are gone by now
+        return engine.run(requests)
 
     def results(self, requests: Sequence[Request]) -> list[RequestResult]:
         """The fp64 oracle's results (every request together), in request order."""
@@ -250,9 +270,9 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
             noise = oracle.noise_floor(requests, dtype, options, atol=budget.atol,
                                        engine_state_dtype=engine_cls.default_ssm_state_dtype)
         _enter(progress, engine_cls.name, candidate)
-        oracle.make_room(parameter_count(oracle.checkpoint) * dtype.itemsize)      # the candidate's weights
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
-                              candidate=candidate.run(requests), budget=budget, rerun=candidate.run, noise=noise)
+                              candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
+                              rerun=candidate.run, noise=noise)
         hint = getattr(engine_cls, "oracle_hint", None)       # an engine known to compute another model here
         if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
             report.meta["hint"] = text
@@ -312,8 +332,7 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
         if reasons:
             raise ScenarioSkipped([f"baseline {base_cls.name}: {r}" for r in reasons])
         _enter(progress, f"baseline {baseline_name}", base_engine)
-        oracle.make_room(parameter_count(oracle.checkpoint) * against_dtype.itemsize)
-        baseline = base_engine.run(requests)
+        baseline = oracle.run_beside(base_engine, requests, against_dtype)
     _enter(progress, "budget")
     own, theirs = (oracle.budget(requests, d, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype)
                    for d in (dtype, against_dtype))
@@ -323,10 +342,9 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
         if reasons:
             raise ScenarioSkipped(reasons)
         _enter(progress, engine_cls.name, candidate)
-        oracle.make_room(parameter_count(oracle.checkpoint) * dtype.itemsize)
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
-                              candidate=candidate.run(requests), budget=budget, rerun=candidate.run,
-                              baseline_name=baseline_name)
+                              candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
+                              rerun=candidate.run, baseline_name=baseline_name)
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device), baseline=baseline_name,
                        options={k_: str(v) for k_, v in options.non_default().items()})
     return report

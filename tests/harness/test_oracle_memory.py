@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from harness import runner
 from harness.engine import Request
-from harness.runner import ROOM_FACTOR, Oracle
+from harness.runner import CANDIDATE_ROOM_FACTOR, ROOM_FACTOR, Oracle
 from reference.checkpoint import parameter_count, read_safetensors
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-bamba"
@@ -124,14 +125,15 @@ def test_the_oracle_lists_the_most_likely_tokens_of_each_generated_position():
 def test_the_candidate_gets_room_before_it_loads(monkeypatch):
     """At 9.8B the fp64 oracle and its two bf16 twins leave a bf16 candidate 2 GB on an H200 for its activations
     (the 32-layer compare ran out of memory there): before the candidate runs, the reference models are closed
-    when its weights would not fit with a quarter to spare; with room, they stay (no reload in the next scenario)."""
+    when twice its weights would not fit (its caches and logits come on top); with room, they stay (no reload in the
+    next scenario)."""
     from harness.scenarios import PromptSource, build_scenarios
     from reference.config import ModelConfig
 
     scenario = next(s for s in build_scenarios(ModelConfig.from_json(TINY)) if s.id == "batching-together")
     monkeypatch.setattr(runner, "_on_gpu", lambda device: True)
     candidate_need = parameter_count(TINY) * 4
-    for free, kept in ((ROOM_FACTOR * candidate_need - 1, False), (ROOM_FACTOR * candidate_need, True)):
+    for free, kept in ((CANDIDATE_ROOM_FACTOR * candidate_need - 1, False), (CANDIDATE_ROOM_FACTOR * candidate_need, True)):
         seen = {}
         original = runner.ReferenceEngine.run
 
@@ -150,3 +152,57 @@ def test_the_candidate_gets_room_before_it_loads(monkeypatch):
         assert report.passed, report.message()
         assert bool(seen["references held"]) == kept, seen
         oracle.close()
+
+
+def _batching_together():
+    from harness.scenarios import build_scenarios
+    from reference.config import ModelConfig
+
+    return next(s for s in build_scenarios(ModelConfig.from_json(TINY)) if s.id == "batching-together")
+
+
+def _oom_once(monkeypatch, oracle, seen):
+    """The candidate (the reference engine in fp32 under the scenario's options) runs out of GPU memory the first
+    time; `seen` records which reference models the oracle held at each of its runs."""
+    original = runner.ReferenceEngine.run
+
+    def flaky(self, requests):
+        if self.dtype == torch.float32 and self.options.max_num_batched_tokens is None:
+            seen.append(set(oracle._engines))
+            if len(seen) == 1:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 378.00 MiB")
+        return original(self, requests)
+
+    monkeypatch.setattr(runner.ReferenceEngine, "run", flaky)
+
+
+def test_a_candidate_out_of_memory_beside_the_references_runs_again_without_them(monkeypatch):
+    """The 32-layer compare: the candidate ran out of memory with room for twice its weights (its states and logits
+    took more). The references held are the harness's, not the engine's fault: closed, the candidate runs again."""
+    from harness.scenarios import PromptSource
+
+    scenario = _batching_together()
+    monkeypatch.setattr(runner, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(runner, "_free_memory", lambda device: 1e15)           # room by the estimate
+    oracle, seen = Oracle(TINY), []
+    _oom_once(monkeypatch, oracle, seen)
+    report = runner.check_scenario("reference", scenario, oracle=oracle, source=PromptSource(512, seed=0))
+    assert report.passed, report.message()
+    assert len(seen) >= 2 and seen[0] and not seen[1], seen     # held at the first run, none at the second
+    oracle.close()
+
+
+def test_a_candidate_out_of_memory_with_nothing_to_free_is_its_own_error(monkeypatch):
+    """With no reference model on the GPU (the oracle from a cache, or on the CPU) there is nothing to free: the
+    engine's out-of-memory error is the scenario's, not retried."""
+    from harness.scenarios import PromptSource
+
+    scenario = _batching_together()
+    oracle, seen = Oracle(TINY), []
+    runner.check_scenario("reference", scenario, oracle=oracle, source=PromptSource(512, seed=0))
+    oracle.close()                                  # results memoised, no model held
+    _oom_once(monkeypatch, oracle, seen)
+    monkeypatch.setattr(runner, "_on_gpu", lambda device: True)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        runner.check_scenario("reference", scenario, oracle=oracle, source=PromptSource(512, seed=0))
+    assert seen == [set()]
