@@ -119,6 +119,19 @@ def long_decode_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
     return tuple(RequestShape(n, LONG_DECODE_TOKENS) for n in dict.fromkeys([1, max(W - 1, 1), Q + 1, 2 * Q + 1]))
 
 
+# Tokens each request of batching-long-generation decodes, where the model's positions allow.
+LONG_GENERATION_TOKENS = 3584
+
+
+def long_generation_shapes(Q: int, max_positions: int) -> tuple[RequestShape, ...]:
+    """Two prompts (1 and Q+1 tokens) each decoding LONG_GENERATION_TOKENS tokens (fewer where max_positions stops
+    them). A state rounded at every update (kept in 16 bits, say) adds an error that grows like the square root of
+    the updates while the inputs' own rounding does not accumulate so: measured at Bamba-9B widths in bf16, 128
+    updates left such a bug at the noise floor (excess ratio +0.05); a few thousand bring it above it."""
+    prompts = (1, Q + 1)
+    return tuple(RequestShape(n, max(1, min(LONG_GENERATION_TOKENS, max_positions - n))) for n in prompts)
+
+
 def chunked_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
     """A prompt of several chunks first (3Q+2), then Q+1, W-1, Q, 2Q-1, and a one-token prompt arriving at step 2,
     4 new tokens each: under every budget the short ones are prefilled while the long one decodes."""
@@ -199,6 +212,11 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
         Scenario("batching-long-decode", "batching", EngineOptions(), long_decode_shapes(Q, W),
                  f"{len(long_decode_shapes(Q, W))} requests decoding {LONG_DECODE_TOKENS} tokens each in one batch "
                  "(precision lost by the SSM state at each update accumulates)", slow=True),
+        Scenario("batching-long-generation", "batching", EngineOptions(),
+                 long_generation_shapes(Q, cfg.max_position_embeddings),
+                 f"{len(long_generation_shapes(Q, cfg.max_position_embeddings))} requests decoding up to "
+                 f"{LONG_GENERATION_TOKENS} tokens each (a state's per-update rounding, grown past the noise floor); "
+                 "thousands of decode steps: on a GPU only", slow=True, needs_cuda=True, marks=("gpu",)),
     ]
     for budget in chunked_prefill_budgets(Q, W):
         options = EngineOptions(max_num_batched_tokens=budget)

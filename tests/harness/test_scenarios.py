@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from harness.pytest_plugin import scenario_cases
 from harness.events import plan_events
 from harness.scenarios import (
     LONG_DECODE_TOKENS,
+    LONG_GENERATION_TOKENS,
     PromptSource,
     batching_shapes,
     build_scenarios,
@@ -35,7 +37,7 @@ def model(Q: int = 16, W: int = 4, G: int = 1) -> ModelConfig:
 def test_scenario_ids_for_q16_w4():
     assert [s.id for s in build_scenarios(model(16, 4))] == [
         "batching-alone", "batching-together", "batching-shuffled", "batching-long-decode",
-        "chunked_prefill-budget1-Q16", "chunked_prefill-budget2-Q16", "chunked_prefill-budget3-Q16",
+        "batching-long-generation", "chunked_prefill-budget1-Q16", "chunked_prefill-budget2-Q16", "chunked_prefill-budget3-Q16",
         "chunked_prefill-budget15-Q16", "chunked_prefill-budget16-Q16", "chunked_prefill-budget17-Q16",
         "chunked_prefill-budget33-Q16", "chunked_prefill-budget50-Q16", "chunked_prefill-budget1000-Q16",
         "chunked_prefill-capped-budget40-cap16-Q16", "preemption-blocks7x8-Q16",
@@ -86,6 +88,17 @@ def test_a_leading_minus_leaves_out_what_the_name_selects():
     assert everything_but_tp == [s.id for s in select_scenarios(scenarios, "all") if s.kind != "tp"]
     with pytest.raises(ValueError, match="unknown scenario 'chunky'"):
         select_scenarios(scenarios, "all,-chunky")
+
+
+@pytest.mark.parametrize("Q,max_positions", [(16, 512), (256, 8192), (256, 4096)])
+def test_long_generation_decodes_thousands_of_tokens_where_the_positions_allow(Q, max_positions):
+    cfg = replace(model(Q, 4), max_position_embeddings=max_positions)
+    scenario = {s.id: s for s in build_scenarios(cfg)}["batching-long-generation"]
+    assert scenario.slow and scenario.needs_cuda and scenario.kind == "batching"
+    assert [s.prompt_len for s in scenario.shapes] == [1, Q + 1]
+    assert all(s.prompt_len + s.max_new_tokens <= max_positions for s in scenario.shapes)
+    assert scenario.shapes[0].max_new_tokens == min(LONG_GENERATION_TOKENS, max_positions - 1)
+    assert "batching-long-generation" not in [s.id for s in select_scenarios(build_scenarios(cfg), "batching")]
 
 
 @pytest.mark.parametrize("Q,W", [(16, 4), (256, 4), (8, 2)])
@@ -193,12 +206,13 @@ def test_cases_over_several_models_carry_the_model_and_skip_engines_of_another_f
     assert metafunc.names == "model_name,case"
     by_id = {p.id: p for p in metafunc.params}
     assert set(by_id) == {f"{m}-{e}-batching-{k}" for m in models for e in ("reference", "server")
-                          for k in ("alone", "together", "shuffled", "long-decode")}
+                          for k in ("alone", "together", "shuffled", "long-decode", "long-generation")}
     assert any(m.name == "slow" for m in by_id["bamba-g1-reference-batching-long-decode"].marks)
     name, (engine, scenario) = by_id["granite-reference-batching-together"].values
     assert (name, engine, scenario.id) == ("granite", "reference", "batching-together")
     skipped = [p.id for p in metafunc.params if any(m.name == "skip" for m in p.marks)]
-    assert skipped == [f"granite-server-batching-{k}" for k in ("alone", "together", "shuffled", "long-decode")]
+    assert skipped == [f"granite-server-batching-{k}" for k in ("alone", "together", "shuffled", "long-decode",
+                                                                 "long-generation")]
     assert "not granitemoehybrid" in by_id["granite-server-batching-alone"].marks[-1].kwargs["reason"]
     metafunc.fixturenames = ["case"]
     with pytest.raises(pytest.UsageError, match="needs a `model_name` argument"):
