@@ -80,6 +80,13 @@ def test_a_results_file_is_complete_only_with_its_done_mark_and_a_cut_line_is_dr
     assert [r["scenario"] for r in _read(f)] == ["s"] and not _complete(f)
     f.write_text(json.dumps(_row("s", "bfloat16", "PASS", "a")) + "\n" + json.dumps(DONE) + "\n")
     assert _complete(f) and len(_read(f)) == 1
+    # finished for scenario s: not complete once t is asked too (--resume runs t alone), unless killed in s already
+    asked = dict(seeds=[0], scenarios=["s", "t"], dtypes=["bfloat16"])
+    assert _complete(f, seeds=[0], scenarios=["s"], dtypes=["bfloat16"]) and not _complete(f, **asked)
+    assert not _complete(f, seeds=[0], scenarios=["s"], dtypes=["bfloat16", "float32"])
+    assert not _complete(f, stop_at_kill=True, **asked)
+    f.write_text(json.dumps(_row("s", "bfloat16", "FAIL", "a")) + "\n" + json.dumps(DONE) + "\n")
+    assert _complete(f, stop_at_kill=True, **asked) and not _complete(f, **asked)
 
 
 def test_report_only_tables_what_the_directory_holds_and_names_what_is_incomplete(tmp_path):
