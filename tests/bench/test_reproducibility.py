@@ -38,3 +38,61 @@ def test_it_refuses_to_run_without_cuda(capsys):
     with pytest.raises(SystemExit):
         main(["--checkpoint", "fixtures/tiny-bamba", "--device", "cpu"])
     assert "CUDA" in capsys.readouterr().err
+
+
+def _traced_run(perturb=None):
+    """The vendored engine on two short requests (one prefill piece each, then decodes), every op call traced;
+    `perturb(name, out, args)` may change an op's result or arguments after the real call."""
+    from bench.reproducibility import Trace
+    from vendored.engine import LLMEngine, model
+
+    originals = {}
+    if perturb is not None:
+        for name in ("ssd_scan", "selective_state_update"):
+            originals[name] = getattr(model, name)
+
+            def changed(*args, _name=name, **kwargs):
+                out = originals[_name](*args, **kwargs)
+                perturb(_name, out, args)
+                return out
+
+            setattr(model, name, changed)
+    try:
+        engine = LLMEngine(TINY, max_num_batched_tokens=64, max_num_seqs=2, max_model_len=32)
+        with Trace() as trace:
+            outs = engine.generate([("a", [1, 5, 9, 2, 7], 2), ("b", [4, 4, 8], 2)])
+        engine.close()
+    finally:
+        for name, fn in originals.items():
+            setattr(model, name, fn)
+    return outs, trace.calls
+
+
+TINY = __import__("pathlib").Path(__file__).resolve().parents[2] / "fixtures" / "tiny-bamba"
+
+
+def test_two_runs_trace_alike_and_a_changed_op_is_named_first():
+    from bench.reproducibility import first_trace_difference
+
+    _, a = _traced_run()
+    names = {name for name, _ in a}
+    assert {"ssd_scan", "selective_state_update", "causal_conv1d", "_mamba", "_attention", "logits"} <= names
+
+    def nudge_scan(name, out, args):           # the scan's result, the last bit of one element
+        if name == "ssd_scan":
+            out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf")))
+
+    _, b = _traced_run(lambda name, out, args: None)        # the same run again: every fingerprint equal
+    assert first_trace_difference(a, b) is None
+    _, c = _traced_run(nudge_scan)
+    d = first_trace_difference(a, c)
+    assert d["name"] == "ssd_scan" and d["what"] == "result", d
+
+    def nudge_state(name, out, args):          # the state pool a decode step updates in place, not its result
+        if name == "selective_state_update":
+            pool = args[0]
+            pool.view(-1)[-1] = torch.nextafter(pool.view(-1)[-1], torch.tensor(float("inf")))
+
+    _, e = _traced_run(nudge_state)
+    d = first_trace_difference(b, e)
+    assert d["name"] == "selective_state_update" and d["what"].startswith("an argument"), d
