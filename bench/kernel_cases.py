@@ -209,7 +209,24 @@ def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype
                     dt_softplus=True, **extra)
             return run, lambda: (out["y"][0], out["states"])
 
-        return _available(dict(ours=ours, vllm=vllm, mamba_ssm=mamba_ssm), peers)
+        def fla():
+            # fla's scalar-gated linear attention is the SSD recurrence with q = C, k = B, v = x·Δ, log decay
+            # g = Δ·A; it has no groups (B and C expanded to every head) and no D (added after). What the SSD op does
+            # inside (softplus, the expansion, x·Δ, D·x) is timed with it. State layout (seq, H, P, N): V first.
+            f, out, cu64 = peers["fla"], {}, cu.long()
+
+            def heads(t):                                                                 # (T, G, N) -> (1, T, H, N)
+                return t.repeat_interleave(s.H // s.G, dim=1)[None].contiguous()
+
+            def run():
+                delta = torch.nn.functional.softplus(dt + p["dt_bias"])                   # (T, H) fp32
+                v = (x * delta[..., None]).to(dtype)[None]                                # (1, T, H, P)
+                o, final = f.chunk_simple_gla(heads(C), heads(B), v, g=(delta * p["A"])[None], scale=1.0,
+                                              output_final_state=True, state_v_first=True, cu_seqlens=cu64)
+                out["y"], out["states"] = (o[0] + x * p["D"][:, None].to(dtype)).to(dtype), final
+            return run, lambda: (out["y"], out["states"])
+
+        return _available(dict(ours=ours, vllm=vllm, mamba_ssm=mamba_ssm, fla=fla), peers)
 
     counts = scan_counts(s, n_tokens, n_seqs, _esz(dtype), _esz(state_dtype))
     return Case("ssd_scan", f"T{n_tokens}-seqs{n_seqs}", counts, "bench", build,

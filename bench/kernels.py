@@ -1,5 +1,7 @@
 """Kernel benchmark: our Triton ops (vendored/ops) against the public Mamba2 Triton kernels of vLLM 0.33.0 and
-mamba_ssm 2.3.2.post1, on identical inputs in one process on one GPU, at Bamba-9B shapes
+mamba_ssm 2.3.2.post1, and for the scan fla-core 0.6.0's chunk_simple_gla (the SSD recurrence as scalar-gated linear
+attention: B and C expanded to every head, v = x·Δ, log decay Δ·A, D·x added after, all timed with it), on identical
+inputs in one process on one GPU, at Bamba-9B shapes
 (H=128, P=64, N=128, G=1, Q=256, W=4; x/B/C/z/y and conv weights bf16, dt/A/D/dt_bias fp32).
 
     make bench-kernels                                            # GPU: python3 -m bench.kernels --peers .peers
@@ -14,7 +16,7 @@ peer_loader.py beside vendor/; docs/kernels.md); without it, only our ops run.
 Timing: prefill-sized calls with triton.testing.do_bench (median; L2 flushed before every call; first call, with
 its compile and autotune, excluded); decode calls with a CUDA graph of --graph-calls back-to-back calls, replayed
 --graph-replays times (median per call; no L2 flush, so a batch-1 pool that fits in L2 is read from L2 by all
-three alike). Cases run most important first and stop starting new ones after --budget seconds; a failing call is
+alike). Cases run most important first and stop starting new ones after --budget seconds; a failing call is
 reported in its row and the run goes on. After every case the JSON and the markdown table in --out are rewritten.
 
 Columns: ms; TB/s and TFLOP/s from the bytes a call must move and the FLOPs it must do (counted in
@@ -40,7 +42,7 @@ import torch
 from bench.kernel_cases import (BAMBA_9B, SMOKE, Case, Setup, conv_case, conv_update_case, copy_case, rms_case,
                                 scan_case, ssu_case)
 
-PEER_NAMES = ("vllm", "mamba_ssm")
+PEER_NAMES = ("vllm", "mamba_ssm", "fla")
 OP_ORDER = ("ssd_scan", "causal_conv1d", "selective_state_update", "causal_conv1d_update", "rms_norm_gated",
             "d2d_copy")
 
@@ -72,7 +74,8 @@ def load_peers(folder: str | None, log) -> dict:
     sys.path.insert(0, str(folder))
     import peer_loader
     peers = {}
-    for name, load in (("vllm", peer_loader.load_vllm), ("mamba_ssm", peer_loader.load_mamba_ssm)):
+    for name, load in (("vllm", peer_loader.load_vllm), ("mamba_ssm", peer_loader.load_mamba_ssm),
+                       ("fla", peer_loader.load_fla)):
         try:
             peers[name] = load()
         except Exception as e:  # the other peer and our ops still run

@@ -67,3 +67,41 @@ def test_counts_at_bamba_9b_match_the_issue_figures():
     # decode, batch 256, fp32 state: the state is read and written, 4 MiB per row each way
     assert ssu_counts(BAMBA_9B, 256, 2, 4).bytes == 256 * (2 * 4 * 2**20 + 2 * 8192 * 2 + 2 * 128 * 2 + 128 * 4) \
         + 3 * 128 * 4
+
+
+class _GLA:
+    """fla's chunk_simple_gla as its docstring defines it, step by step in fp64 (fla itself needs a GPU: it asks
+    Triton for the active driver at import): per sequence of cu_seqlens, S_t = exp(g_t)·S_{t-1} + k_tᵀ v_t and
+    o_t = scale · q_t S_t, the state [K, V] per head, or [V, K] with state_v_first."""
+
+    name = "fake-fla"
+
+    @staticmethod
+    def chunk_simple_gla(q, k, v, g, scale, output_final_state, state_v_first, cu_seqlens, initial_state=None):
+        q, k, v, g = (t[0].double() for t in (q, k, v, g))                          # (T, H, K/V), g (T, H)
+        o, finals = torch.zeros_like(v), []
+        for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+            S = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float64)   # (H, K, V)
+            for t in range(start, end):
+                S = torch.exp(g[t])[:, None, None] * S + k[t][:, :, None] * v[t][:, None, :]
+                o[t] = scale * torch.einsum("hk,hkv->hv", q[t], S)
+            finals.append(S.transpose(-1, -2) if state_v_first else S)
+        return o[None].float(), torch.stack(finals).float()
+
+
+@pytest.mark.parametrize("n_seqs", [1, 3])
+def test_the_fla_scan_peer_is_given_the_ssd_recurrence_in_its_conventions(n_seqs):
+    """The scan case hands fla q = C, k = B (groups expanded to heads), v = x·Δ, g = Δ·A, adds D·x and reads its
+    V-first final states: with fla's documented recurrence, its y and states equal ours to fp32 rounding."""
+    from argparse import Namespace
+
+    from bench.kernel_cases import SMOKE, Setup, scan_case
+    from bench.kernels import run_case
+
+    setup = Setup(SMOKE, torch.device("cpu"), torch.float32, 0)
+    row = run_case(scan_case(setup, {"fla": _GLA()}, 40, n_seqs, torch.float32), Namespace(), False, lambda _: None)
+    fla = row["impls"]["fla"]
+    assert "error" not in fla and "max_abs_diff_error" not in fla, fla
+    y_diff, state_diff = fla["max_abs_diff"]
+    assert y_diff < 1e-4 and state_diff < 1e-4, fla["max_abs_diff"]
+    assert row["impls"]["ours"]["max_abs"][0] > 0.1                # not two zero outputs
