@@ -354,7 +354,7 @@ def _fmt(x) -> str:
 
 
 def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtypes: list[str]) -> str:
-    lines = ["## Clean runs (false failures)", "", "| scenario | dtype | runs | failed | max |Δ|/budget | "
+    lines = ["## Clean runs (false failures)", "", "| scenario | dtype | runs | failed | max \\|Δ\\|/budget | "
              "largest excess ratio |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for key in sorted({(r["scenario"], r["dtype"]) for r in clean}):
         rows = [r for r in clean if (r["scenario"], r["dtype"]) == key and r["verdict"] != "SKIP"
@@ -363,7 +363,7 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
         lines.append(f"| {key[0]} | {key[1]} | {len(rows)} | {len(failed)} | "
                      f"{_fmt(max((r['max_delta'] / r['budget'] for r in rows if 'max_delta' in r), default=None))} | "
                      f"{_fmt(max((v for r in rows for v in r.get('excess', {}).values()), default=None))} |")
-    lines += ["", "## Engine mutants", "", "| mutant | " + " | ".join(dtypes) + " | effect (max |Δ|/budget; excess "
+    lines += ["", "## Engine mutants", "", "| mutant | " + " | ".join(dtypes) + " | effect (max \\|Δ\\|/budget; excess "
               "ratio) per dtype |", "| --- | " + " | ".join("---" for _ in dtypes) + " | --- |"]
     shared: dict[tuple, list[str]] = {}               # a survivor's differing output -> the mutants that gave it
     for m in mutants:

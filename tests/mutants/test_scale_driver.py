@@ -44,6 +44,13 @@ def test_a_mutant_is_killed_survives_or_is_not_live():
             "run (none of these counted)") in text
     assert "| m5 | incomplete (1 scenarios not run) |" in text
     assert "| s | bfloat16 | 2 | 0 |" in text and "- judge-x: not an engine mutant" in text
+    # every row of each markdown table has its header's columns (a bare |Δ| in a header would split a column)
+    import re
+    for block in text.split("\n\n"):
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        if rows:
+            cells = {len(re.split(r"(?<!\\)\|", line)) for line in rows}
+            assert len(cells) == 1, rows
 
 
 @pytest.mark.parametrize("name", ["tp-rank-given-wrong-group"])
