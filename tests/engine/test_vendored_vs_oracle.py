@@ -45,6 +45,8 @@ def test_make_test_keeps_every_event():
 @pytest.mark.parametrize("scenario", PARAMS)
 def test_scenario_matches_oracle(scenario, device_dtype, tiny_oracle, tiny_prompts):
     device, dtype = device_dtype
+    if scenario.needs_cuda and device == "cpu":
+        pytest.skip(f"{scenario.id}: a GPU-only scenario ({scenario.about})")
     report = check_scenario("vendored", scenario, oracle=tiny_oracle, source=tiny_prompts, dtype=dtype, device=device)
     assert report.passed, report.message()
     assert sum(len(c.positions) for c in report.comparisons) > 0
