@@ -272,7 +272,7 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
         _enter(progress, engine_cls.name, candidate)
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                               candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
-                              rerun=candidate.run, noise=noise)
+                              rerun=lambda forced: oracle.run_beside(candidate, forced, dtype), noise=noise)
         hint = getattr(engine_cls, "oracle_hint", None)       # an engine known to compute another model here
         if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
             report.meta["hint"] = text
@@ -344,7 +344,8 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
         _enter(progress, engine_cls.name, candidate)
         report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                               candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
-                              rerun=candidate.run, baseline_name=baseline_name)
+                              rerun=lambda forced: oracle.run_beside(candidate, forced, dtype),
+                              baseline_name=baseline_name)
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device), baseline=baseline_name,
                        options={k_: str(v) for k_, v in options.non_default().items()})
     return report
