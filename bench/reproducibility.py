@@ -7,10 +7,11 @@ created with torch.empty and read before it is written gives a different answer 
 reported as the request, the first differing position and the largest |difference|.
 
 With --trace (the vendored engine) every kernel and layer call of the model (causal_conv1d, causal_conv1d_update,
-ssd_scan, selective_state_update, rms_norm_gated, paged decode attention, and the attention, mamba, MLP and logits
-stages) is fingerprinted on the device: an exact integer checksum of the bits of its result and of every tensor it
-was given (the state pools it updates in place included), taken after the call. The first call whose fingerprint
-differs from the first run's, in execution order, is the one that made the difference. --dump FILE keeps the first
+ssd_scan, selective_state_update, rms_norm_gated, the masked and paged decode attention, torch's
+scaled_dot_product_attention, the linear layers and RoPE, and the attention, mamba, MLP and logits stages) is
+fingerprinted on the device: an exact integer checksum of the bits of its result and of every tensor it was given
+(the state pools it updates in place included), taken after the call. The first call whose fingerprint differs from
+the first run's, in execution order, is the one that made the difference. --dump FILE keeps the first
 run's results and trace; --against FILE compares this process's first run with another process's (the variation
 seen between processes, where one process's runs may all agree).
 
@@ -28,8 +29,9 @@ import sys
 from pathlib import Path
 
 TRACED_OPS = ("causal_conv1d", "causal_conv1d_update", "ssd_scan", "selective_state_update", "rms_norm_gated",
-              "paged_decode_attention")
-TRACED_STAGES = ("embed", "_attention", "_mamba", "_mlp", "logits")
+              "paged_decode_attention", "masked_attention")
+TRACED_STAGES = ("embed", "_attention", "_mamba", "_mlp", "logits", "_rope", "_linear", "_output_linear")
+TRACED_TORCH = ("scaled_dot_product_attention",)      # torch.nn.functional calls the model makes
 POISONS = {"plain": None, "nan": float("nan"), "zeros": 0.0, "1e4": 1e4}
 FIELDS = ("prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs", "output_ids", "output_logprobs",
           "output_top_ids", "output_top_logprobs")
@@ -92,6 +94,8 @@ class Trace:
             self._wrap(model, name)
         for name in TRACED_STAGES:
             self._wrap(model.BambaEngineModel, name)
+        for name in TRACED_TORCH:
+            self._wrap(model.F, name)
         return self
 
     def __exit__(self, *exc) -> None:

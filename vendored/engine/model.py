@@ -18,7 +18,7 @@ from vendored.ops.selective_state_update import selective_state_update
 from vendored.ops.ssd_scan import ssd_scan
 
 from .cache import KVCache, StatePool
-from .paged_attention import paged_decode_attention
+from .paged_attention import masked_attention, paged_decode_attention
 from .ranking import top_k
 from .weights import EngineModelConfig
 
@@ -196,9 +196,8 @@ class BambaEngineModel:
         key_pos = torch.arange(L, device=x.device)
         allowed = (key_pos[None, None] <= q_pos[:, :, None]) & q_valid[:, :, None]          # (n_seq, Tq, L)
         allowed[..., 0] |= ~q_valid                    # padding queries see one key, never a row of -inf
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed[:, None],
-            scale=scale, enable_gqa=True)                                                   # (n_seq, Hq, Tq, Dh)
+        out = masked_attention(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), allowed[:, None],
+                               scale=scale)                                                 # (n_seq, Hq, Tq, Dh)
         out = out.transpose(1, 2)[q_valid]                                                  # (T, Hq, Dh)
         return self._output_linear(out.reshape(-1, Hq * Dh), p + "o_proj")
 

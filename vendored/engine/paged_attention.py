@@ -1,4 +1,12 @@
-"""Decode attention over the paged K/V cache with shapes fixed by the batch size and the block-table width only.
+"""Attention over the paged K/V cache: the eager step's masked attention, and the decode attention of a CUDA graph.
+
+`masked_attention` is the eager step's call: every sequence's context padded to the longest, a boolean mask. On a GPU
+it runs on the memory-efficient backend (the keys and values repeated per query head), never cuDNN's: on an H200 with
+torch 2.11, cuDNN (the default backend for a bf16 masked call there) gave bf16 results that changed between runs and
+with what the freed memory held (bench/reproducibility.py --trace named this call), while the memory-efficient and
+math backends gave the same bits every time (docs/engine.md, "Reproducible on the GPU").
+
+`paged_decode_attention` is decode attention with shapes fixed by the batch size and the block-table width only.
 
 The eager step attends over each sequence's context padded to the longest context of the step, so its shapes change
 from step to step. A CUDA graph replays fixed shapes: here every row attends over the full width of its block table
@@ -11,6 +19,26 @@ Capture-safe: no host synchronisation, no data-dependent shape, the same allocat
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Backends the eager attention may use on a GPU, in order: memory-efficient (bf16, fp16, fp32), math (fp64 and
+# whatever the first does not take). Both give the same bits from run to run on the same inputs.
+REPRODUCIBLE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, *,
+                     scale: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scale, masked) · v for padded sequences. q (n, Hq, Tq, Dh); keys, values (n, Hkv, L, Dh) with
+    Hq a multiple of Hkv (query head h reads kv head h // (Hq/Hkv)); allowed (n, 1, Tq, L) bool, True where a query
+    may see a key (every row needs at least one). Returns (n, Hq, Tq, Dh) in q's dtype."""
+    group = q.shape[1] // keys.shape[1]
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale, enable_gqa=group > 1)
+    if group > 1:                                  # the memory-efficient kernel takes equal head counts only
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    with sdpa_kernel(REPRODUCIBLE_BACKENDS):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
