@@ -99,7 +99,7 @@ compare: $(STAMP)
 		if [ $$status -eq 0 ]; then status=$$rc; fi; \
 	done; exit $$status
 
-# Decode tokens/s with and without CUDA graphs, batches 1, 8, 64, tiny model and a random 2-layer Bamba-9B slice.
+# Decode tokens/s with and without CUDA graphs, batches 1, 8, 64, 256, tiny model and a random 2-layer Bamba-9B slice.
 # On the GPU image (nothing installed): the python3 there. JSON, markdown and PNG in out/bench.
 bench-decode:
 	$(GPU_PY) -m bench.decode --out out/bench

@@ -8,7 +8,7 @@ of PROMPT_TOKENS tokens are prefilled in one step, a few decode steps warm up, t
 Models: `tiny` (fixtures/tiny-bamba) and `bamba9b-2layer` (random weights, one mamba and one attention layer at
 Bamba-9B widths: D 4096, H 128 × P 64, N 128, G 1, Hq 32 / Hkv 8 × Dh 128, MLP 14336, V 128256).
 
-    python -m bench.decode                           # on CUDA: both models, batches 1, 8, 64, bf16
+    python -m bench.decode                           # on CUDA: both models, batches 1, 8, 64, 256, bf16
     python -m bench.decode --models tiny --batch-sizes 1,8 --steps 4     # a CPU smoke run (no capture there)
 
 The bound beside each row: a decode step must read every weight once (the embedding only for its `batch` rows),
@@ -159,7 +159,7 @@ def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: st
 
     pieces = engine.scheduler.schedule()                               # the next step's decodes, run repeatedly
     assert len(pieces) == batch and all(p.is_decode for p in pieces), "the benchmark step is not all decodes"
-    if graphs:
+    if graphs and engine.graphs.handles(pieces):
         def forward():
             return engine.graphs.run(pieces)
     else:
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if on_gpu else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
     parser.add_argument("--models", default="tiny,bamba9b-2layer" if on_gpu else "tiny")
-    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--batch-sizes", default="1,8,64,256")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default="out/bench")
     parser.add_argument("--no-transformers", action="store_true",

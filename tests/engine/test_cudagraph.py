@@ -74,8 +74,9 @@ def poison_unowned(runner: DecodeGraphRunner, pieces) -> None:
 # ---- pieces ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("max_num_seqs,sizes", [
-    (1, (1,)), (3, (1, 2, 4)), (8, (1, 2, 4, 8)), (17, (1, 2, 4, 8, 16, 32)), (200, (1, 2, 4, 8, 16, 32, 64, 128)),
-], ids=["seqs1", "seqs3", "seqs8", "seqs17", "seqs200"])
+    (1, (1,)), (3, (1, 2, 4)), (8, (1, 2, 4, 8)), (17, (1, 2, 4, 8, 16, 32)), (200, (1, 2, 4, 8, 16, 32, 64, 128, 256)),
+    (256, (1, 2, 4, 8, 16, 32, 64, 128, 256)), (600, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)),
+], ids=["seqs1", "seqs3", "seqs8", "seqs17", "seqs200", "seqs256", "seqs600"])
 def test_capture_sizes_reach_the_first_size_at_or_above_max_num_seqs(max_num_seqs, sizes):
     assert capture_sizes(max_num_seqs) == sizes
 

@@ -11,7 +11,7 @@ A step whose pieces are all decodes (one token per running sequence) goes throug
 on a CPU (nothing to capture) the runner calls it eagerly, so the CPU tests check the very padding, buffers and
 masks that the graphs replay. Mixed prefill + decode steps, and decode batches above the largest size, run eagerly.
 
-Captured sizes: 1, 2, 4, ..., 128 up to the first one >= max_num_seqs. Attention spans the whole block table
+Captured sizes: 1, 2, 4, ..., 512 up to the first one >= max_num_seqs. Attention spans the whole block table
 (max_model_len keys), so one graph serves every context length the engine allows.
 """
 
@@ -26,12 +26,12 @@ from .cache import KVCache, StatePool
 from .model import BambaEngineModel, StepBatch
 from .scheduler import Piece
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The batch sizes to capture for an engine running at most max_num_seqs sequences at once: every size of
-    CAPTURE_SIZES below max_num_seqs and the first one at or above it (all of them beyond 128)."""
+    CAPTURE_SIZES below max_num_seqs and the first one at or above it (all of them beyond 512)."""
     sizes = tuple(s for s in CAPTURE_SIZES if s < max_num_seqs)
     return sizes + tuple(s for s in CAPTURE_SIZES if s >= max_num_seqs)[:1]
 
