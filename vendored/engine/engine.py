@@ -262,6 +262,10 @@ class LLMEngine:
         top_rows, top_owners, kept = [], [], []                       # row, (seq, prompt index or None: a choice)
         for piece, (first_row, count) in zip(pieces, rows):
             seq = piece.seq
+            if piece.is_decode and count == 1 and not seq.keep_rows and self._wants_logits(seq, piece.start):
+                top_rows.append(first_row)                              # a decode choosing its next token
+                top_owners.append((seq, None))
+                continue
             wanted = [p for p in range(piece.start, piece.start + piece.length) if self._wants_logits(seq, p)]
             if len(wanted) != count:
                 raise EngineError(f"request {seq.request_id}: {count} logit rows for {len(wanted)} wanted positions")
