@@ -113,8 +113,7 @@ class DecodeGraphRunner:
 
     def _fill(self, pieces: Sequence[Piece], size: int) -> None:
         """Write the step's rows, then padding up to `size`, into the buffers (one copy per buffer). The rows are
-        assembled in numpy arrays, not per-row tensors: at 256 rows per-row tensor writes cost more than the step's
-        forward."""
+        assembled in numpy arrays (no tensor per row: this runs on the host for every decode step)."""
         bs, pad_block, n = self.kv.block_size, self.kv.pad_block, len(pieces)
         positions = np.fromiter((p.start for p in pieces), dtype=np.int64, count=n)
         tables = np.full((size, self.table_width), pad_block, dtype=np.int64)                # (size, M)

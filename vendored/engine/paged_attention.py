@@ -1,10 +1,11 @@
 """Attention over the paged K/V cache: the eager step's masked attention, and the decode attention of a CUDA graph.
 
 `masked_attention` is the eager step's call: every sequence's context padded to the longest, a boolean mask. On a GPU
-it runs on the memory-efficient backend (the keys and values repeated per query head), never cuDNN's: on an H200 with
-torch 2.11, cuDNN (the default backend for a bf16 masked call there) gave bf16 results that changed between runs and
-with what the freed memory held (bench/reproducibility.py --trace named this call), while the memory-efficient and
-math backends gave the same bits every time (docs/engine.md, "Reproducible on the GPU").
+it runs on the memory-efficient backend (the keys and values repeated per query head), never cuDNN's. On an H200
+with torch 2.11, where cuDNN is the default for a bf16 masked call, runs sharing the GPU with other processes gave
+bf16 outputs that differed between runs and between processes, and bench/reproducibility.py --trace named this call
+as the first to differ; torch's deterministic-algorithms mode leaves cuDNN attention out, while the memory-efficient
+forward is deterministic (docs/engine.md, "Reproducible on the GPU").
 
 `paged_decode_attention` is decode attention with shapes fixed by the batch size and the block-table width only.
 
