@@ -4,8 +4,8 @@
 it runs on the memory-efficient backend (the keys and values repeated per query head), never cuDNN's. On an H200
 with torch 2.11, where cuDNN is the default for a bf16 masked call, runs sharing the GPU with other processes gave
 bf16 outputs that differed between runs and between processes, and bench/reproducibility.py --trace named this call
-as the first to differ; torch's deterministic-algorithms mode leaves cuDNN attention out, while the memory-efficient
-forward is deterministic (docs/engine.md, "Reproducible on the GPU").
+as the first to differ; the memory-efficient backend gave the same bits in every check (docs/engine.md, "Reproducible
+on the GPU").
 
 `paged_decode_attention` is decode attention with shapes fixed by the batch size and the block-table width only.
 
