@@ -219,6 +219,7 @@ def test_sigkill_to_the_driver_takes_a_stopped_worker_with_it(checkpoint, tmp_pa
         logs = _wait_for(family, driver, tmp, lambda: len(list(tmp.glob(f"{RUN_DIR_PREFIX}*/rank*.log"))) == 2 and
                          list(tmp.glob(f"{RUN_DIR_PREFIX}*/rank*.log")), START_WAIT_S, "no two rank logs")
         run_dir = logs[0].parent
+        family.scan()           # the last scan may predate the second worker's fork; its log shows it exists now
         workers = family.children_of(family.matching("multiprocessing.forkserver"))
         assert len(workers) == 2, family.describe()
         os.kill(workers[1], signal.SIGSTOP)
