@@ -12,8 +12,9 @@ happens to cancel, and a per-position budget would reject a correct engine there
 property of the model and the dtype, and the max over a request's 5-30 positions is still a noisy sample of it:
 measured on 5 random G = 1 checkpoints (tests/helpers.py, seeds 0-4) × 3 workloads, transformers' largest error on a
 request reached 2.9× (bf16) and 3.2× (fp32) the reference's largest error on that same request, but only 1.8× / 2.0×
-the largest over the workload. The max (not a quantile) guarantees that the reference in d passes its own budget at
-k >= 1; k = 2 leaves room for an engine that rounds in other places (fused kernels, chunked scan, another summation
+the largest over the workload. A workload of fewer than MIN_BUDGET_POSITIONS positions (harness/runner.py) takes E
+over the model's batching workload too, since its own max is a request-sized sample. The max (not a quantile)
+guarantees that the reference in d passes its own budget at k >= 1; k = 2 leaves room for an engine that rounds in other places (fused kernels, chunked scan, another summation
 order) without hiding errors several times what the dtype itself causes.
 
 atol(d) is a floor for workloads where the reference's own error happens to be small. Measured with

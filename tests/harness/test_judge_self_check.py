@@ -18,7 +18,7 @@ import torch
 from harness.adapters.reference import ReferenceEngine
 from harness.compare import ATOL, DEFAULT_K
 from harness.engine import EngineOptions, Request, RequestResult, log_softmax
-from harness.runner import check_scenario
+from harness.runner import calibration_requests, check_scenario
 from harness.scenarios import KINDS, build_scenarios
 from harness.schedule import plan_options, plan_steps
 from reference.model import BambaReference
@@ -115,7 +115,8 @@ def test_every_scenario_kind_is_checked():
 def test_planted_deltas_fail_exactly_where_they_exceed_the_budget(kind, side, g1_oracle, g1_prompts, monkeypatch):
     scenario = SCENARIOS[kind]
     requests = scenario.requests(g1_prompts)
-    budget = g1_oracle.budget(requests, torch.float32, ssm_state_dtype=scenario.options.ssm_state_dtype).value
+    budget = g1_oracle.budget(requests, torch.float32, ssm_state_dtype=scenario.options.ssm_state_dtype,
+                              calibration=calibration_requests(g1_oracle, g1_prompts)).value
     targets = _targets(scenario, requests)
     if kind in ("chunked_prefill", "tp"):
         assert "piece boundary" in targets, f"{scenario.id}: no piece boundary to perturb"
