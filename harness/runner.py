@@ -228,12 +228,13 @@ class Oracle:
 
 def calibration_requests(oracle: Oracle, source: PromptSource, *, top_k: int = 5) -> list[Request]:
     """The extra sample of a small workload's budget (Oracle.budget): the requests of the model's batching
-    workload (scenarios.batching_shapes), with the ids, prompts and settings the batching scenarios give them, so
-    that the oracle's memo serves both."""
+    workload (scenarios.batching_shapes) with the prompts and settings the batching scenarios give them, so that
+    the oracle's memo (by content) serves both; their ids start with "calibration-", apart from any workload's."""
     cfg = json.loads((oracle.checkpoint / "config.json").read_text())
     shapes = batching_shapes(cfg["mamba_chunk_size"], cfg["mamba_d_conv"])
-    return Scenario("calibration", "batching", EngineOptions(), shapes, "the budget's extra sample").requests(
+    requests = Scenario("calibration", "batching", EngineOptions(), shapes, "the budget's extra sample").requests(
         source, top_k=top_k, full_distributions=_full_distributions(shapes, source))
+    return [replace(r, request_id=f"calibration-{r.request_id}") for r in requests]
 
 
 def _full_distributions(shapes: Sequence[RequestShape], source: PromptSource) -> bool:

@@ -42,9 +42,11 @@ def test_a_small_workload_takes_e_over_the_calibration_sample_too(g1_oracle, g1_
     budget = g1_oracle.budget(requests, dtype, calibration=calibration)
     assert budget.reference_error == max(own, extra)
     assert g1_oracle.budget(requests, dtype).reference_error == own       # no calibration given: its own sample
-    # the calibration sample is the batching workload, ids and all: the oracle's memo serves both
-    assert [(r.request_id, r.prompt) for r in calibration] == [(r.request_id, r.prompt)
-                                                                for r in SCENARIOS["batching-alone"].requests(g1_prompts)]
+    # the calibration sample is the batching workload under ids of its own: the oracle's memo (by content) serves
+    # both, and no id clashes with the workload's (a reference run rejects duplicate ids)
+    assert [("calibration-" + r.request_id, r.prompt) for r in SCENARIOS["batching-alone"].requests(g1_prompts)] == \
+        [(r.request_id, r.prompt) for r in calibration]
+    assert not {r.request_id for r in requests} & {r.request_id for r in calibration}
 
 
 def test_a_large_workload_keeps_its_own_maximum(g1_oracle, g1_prompts):
