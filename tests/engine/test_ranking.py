@@ -48,6 +48,27 @@ def test_whole_row_and_batch_shapes(impl):
     assert IMPLEMENTATIONS[impl](torch.zeros(0, 2000), 3)[1].shape == (0, 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_wide_rows_rank_signed_zeros_infinities_and_nans_as_a_stable_sort(dtype):
+    """The wide path ranks by integer keys built from the value's bits: -0.0 must tie with +0.0, -inf rank last,
+    every NaN (either sign bit) first, as torch's stable descending sort orders them; values keep the row's dtype."""
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randint(-3, 3, (6, SORT_WIDTH + 5), generator=gen).float()
+    rows[0] = torch.randn(SORT_WIDTH + 5, generator=gen)
+    rows[1, :] = -0.0
+    rows[1, ::3] = 0.0
+    rows[2] = float("-inf")
+    rows[2, 40] = float("inf")
+    rows[3, 9], rows[3, 20] = float("nan"), -float("nan")
+    rows[4] = -rows[4].abs() - 1e-3                                    # all negative: the flipped-bits half
+    rows = rows.to(dtype)
+    for k in (1, 5, 17):
+        values, ids = top_k(rows, k)
+        assert ids.tolist() == torch.sort(rows.float(), dim=-1, descending=True, stable=True).indices[:, :k].tolist()
+        assert values.dtype == dtype
+        assert torch.equal(values.nan_to_num(), rows.gather(1, ids).nan_to_num())
+
+
 def test_vendored_rejects_a_k_wider_than_the_row():
     with pytest.raises(ValueError, match="k=5 for rows of width 4"):
         top_k(torch.zeros(2, 4), 5)

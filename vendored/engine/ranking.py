@@ -16,9 +16,12 @@ SORT_WIDTH = 1024    # rows at most this wide are ranked with one stable sort (r
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries of each row of x (..., V), largest first, ties by lower index.
 
-    Rows up to SORT_WIDTH wide: a stable descending sort (no host synchronisation, safe inside a captured graph).
-    Wider rows: torch.topk for k + 1, the k kept re-ordered by (value, index); only rows whose k-th and (k+1)-th
-    values tie are ranked again exactly, which needs one host synchronisation (not for use inside a graph).
+    Rows up to SORT_WIDTH wide: a stable descending sort. Wider rows of a 16- or 32-bit float dtype: one torch.topk
+    over exact int64 keys (_keys: the value's order in the high bits, the reversed index in the low ones), so the
+    order is the rule's by construction. Neither synchronises with the host, so both are safe inside a captured
+    graph and leave the host free while the device ranks. Wider float64 rows: torch.topk for k + 1, the k kept
+    re-ordered by (value, index), and rows whose k-th and (k+1)-th values tie ranked again exactly (one host
+    synchronisation).
     """
     width = x.shape[-1]
     if not 0 <= k <= width:
@@ -26,6 +29,9 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if width <= SORT_WIDTH or k == width:
         ranked = torch.sort(x, dim=-1, descending=True, stable=True)
         return ranked.values[..., :k], ranked.indices[..., :k]
+    if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and width < 1 << INDEX_BITS:
+        indices = torch.topk(_keys(x), k, dim=-1).indices
+        return x.gather(-1, indices), indices
     flat = x.reshape(-1, width)
     values, indices = torch.topk(flat, k + 1, dim=-1)
     boundary_tie = values[:, k - 1] == values[:, k] if k > 0 else torch.zeros_like(values[:, 0], dtype=torch.bool)
@@ -35,6 +41,22 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ranked = torch.sort(flat[rows], dim=-1, descending=True, stable=True)
         values[rows], indices[rows] = ranked.values[:, :k], ranked.indices[:, :k]
     return values.reshape(*x.shape[:-1], k), indices.reshape(*x.shape[:-1], k)
+
+
+INDEX_BITS = 24      # the keys' low bits: rows up to 2^24 entries wide
+
+
+def _keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys of x's entries (a float dtype of at most 32 bits) whose descending order is (value descending,
+    index ascending): the float32 bits made monotonic (negative values have their 31 low bits flipped, so a larger
+    magnitude ranks lower; -0.0 is made +0.0 first, as the two compare equal) times 2^INDEX_BITS, plus
+    2^INDEX_BITS - 1 - index. Every NaN ranks above +inf, as in torch.sort's descending order."""
+    x = x.float()
+    bits = (x + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, torch.bitwise_xor(bits, 0x7FFFFFFF), bits)
+    ordered = torch.where(torch.isnan(x), 0x7FFFFFFF, ordered).long()      # any NaN, whatever its sign bit
+    reversed_index = (1 << INDEX_BITS) - 1 - torch.arange(x.shape[-1], device=x.device)
+    return ordered * (1 << INDEX_BITS) + reversed_index
 
 
 def _by_value_then_index(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
