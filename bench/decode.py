@@ -157,6 +157,7 @@ def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: st
     _sync(dev)
     engine_s = time.perf_counter() - start
 
+    engine._settle()                                                   # the step run ahead read back: tokens on the host
     pieces = engine.scheduler.schedule()                               # the next step's decodes, run repeatedly
     assert len(pieces) == batch and all(p.is_decode for p in pieces), "the benchmark step is not all decodes"
     if graphs and engine.graphs.handles(pieces):

@@ -2,7 +2,9 @@
 
 A step whose pieces are all decodes (one token per running sequence) goes through `DecodeGraphRunner`:
 1. its B rows are written into persistent buffers (token ids, positions, state slots, fixed-width block tables,
-   context lengths, K/V write positions), one host-to-device copy;
+   context lengths, K/V write positions): staged on the host, one asynchronous host-to-device copy, spread on the
+   device; a token the previous step chose and the host has not read back yet is taken from that step's device
+   output (the engine runs one decode step ahead of its results, engine.py);
 2. the batch is padded up to the next captured size: a padding row feeds token 0 at position 0, names the pad
    state slot (the mamba kernels skip it) and the pad K/V block (its key is written there and nothing reads it), and
    has context length 0 (its attention output is zero);
@@ -25,9 +27,13 @@ import torch
 
 from .cache import KVCache, StatePool
 from .model import BambaEngineModel, StepBatch
-from .scheduler import Piece
+from .scheduler import PENDING, Piece
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Columns of a staged row (DecodeGraphRunner._fill): the graph inputs of one row, then the row of the step in flight
+# whose greedy token it feeds (-1: its token is known on the host), then its block table.
+TOKEN, POSITION, SLOT, CONTEXT, KV_SLOT, FROM_PREVIOUS = range(6)
+STAGE_COLUMNS = 6
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -93,6 +99,18 @@ class DecodeGraphRunner:
         self.padding_rows = 0
         self.replays = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        width = STAGE_COLUMNS + self.table_width
+        pinned = self.device.type == "cuda"
+        self._stage_host = [torch.zeros((self.sizes[-1], width), dtype=torch.long, pin_memory=pinned)
+                            for _ in range(2)]
+        self._stage_np = [t.numpy() for t in self._stage_host]
+        self._stage_dev = torch.zeros((self.sizes[-1], width), dtype=torch.long, device=self.device)
+        self._staged: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._stage_pads = np.zeros(STAGE_COLUMNS, dtype=np.int64)          # a padding row's staged values
+        self._stage_pads[SLOT] = states.pad_slot
+        self._stage_pads[KV_SLOT] = kv.pad_block * kv.block_size
+        self._stage_pads[FROM_PREVIOUS] = -1
         if self.device.type == "cuda":
             self._capture()
 
@@ -103,39 +121,60 @@ class DecodeGraphRunner:
     def size_for(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)
 
-    def run(self, pieces: Sequence[Piece]) -> torch.Tensor:
-        """Logits (len(pieces), V) of a decode-only step, row i for pieces[i]; states and K/V updated in place."""
+    def run(self, pieces: Sequence[Piece], previous_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (len(pieces), V) of a decode-only step, row i for pieces[i]; states and K/V updated in place.
+        previous_ids: the device's greedy tokens of the step in flight, where a sequence's token to feed is still
+        PENDING (row seq.pending_row of it)."""
         size = self.size_for(len(pieces))
-        self._fill(pieces, size)
+        self._fill(pieces, size, previous_ids)
         self.launches[size] += 1
         self.padding_rows += size - len(pieces)
         return self._launch(size)[:len(pieces)]
 
-    def _fill(self, pieces: Sequence[Piece], size: int) -> None:
-        """Write the step's rows, then padding up to `size`, into the buffers (one copy per buffer). The rows are
-        assembled in numpy arrays (no tensor per row: this runs on the host for every decode step)."""
+    def _fill(self, pieces: Sequence[Piece], size: int, previous_ids: torch.Tensor | None) -> None:
+        """Write the step's rows, then padding up to `size`, into the buffers. The rows are assembled in a host
+        staging array (numpy: no tensor per row), sent in one copy (asynchronous from pinned memory on a GPU, two
+        staging arrays used in turn so that one is written while the other's copy may still wait in the stream),
+        and spread over the buffers on the device. Tokens still PENDING are taken from `previous_ids` there."""
         bs, pad_block, n = self.kv.block_size, self.kv.pad_block, len(pieces)
+        turn = self._turn
+        self._turn ^= 1
+        if self._staged[turn] is not None:
+            self._staged[turn].synchronize()                   # its last copy has left this staging array
+        stage = self._stage_np[turn][:size]                    # (size, STAGE_COLUMNS + M)
         positions = np.fromiter((p.start for p in pieces), dtype=np.int64, count=n)
-        tables = np.full((size, self.table_width), pad_block, dtype=np.int64)                # (size, M)
-        kv_map = np.full(size, pad_block * bs, dtype=np.int64)
+        tokens = np.fromiter((p.seq.token_at(p.start) for p in pieces), dtype=np.int64, count=n)
+        waiting = np.flatnonzero(tokens == PENDING)
+        stage[:, :STAGE_COLUMNS] = self._stage_pads
+        stage[:n, TOKEN] = np.where(tokens == PENDING, 0, tokens)
+        stage[:n, POSITION] = positions
+        stage[:n, SLOT] = np.fromiter((p.seq.slot for p in pieces), dtype=np.int64, count=n)
+        stage[:n, CONTEXT] = positions + 1
+        tables = stage[:, STAGE_COLUMNS:]                                                  # (size, M)
+        tables[:] = pad_block
         if self.kv.enabled:
             for row, piece in enumerate(pieces):
                 blocks = piece.seq.blocks
                 tables[row, :len(blocks)] = blocks
-            kv_map[:n] = tables[np.arange(n), positions // bs] * bs + positions % bs
-        host = {
-            self.buffers.token_ids: np.fromiter((p.seq.token_at(p.start) for p in pieces), dtype=np.int64, count=n),
-            self.buffers.positions: positions,
-            self.buffers.slots: np.fromiter((p.seq.slot for p in pieces), dtype=np.int64, count=n),
-            self.buffers.context_lens: positions + 1,
-        }
-        pads = {self.buffers.slots: self.states.pad_slot}
-        for buffer, values in host.items():
-            row = np.full(size, pads.get(buffer, 0), dtype=np.int64)
-            row[:n] = values
-            buffer[:size].copy_(torch.from_numpy(row))
-        self.buffers.kv_slot_mapping[:size].copy_(torch.from_numpy(kv_map))
-        self.buffers.block_tables[:size].copy_(torch.from_numpy(tables))
+            stage[:n, KV_SLOT] = tables[np.arange(n), positions // bs] * bs + positions % bs
+        if waiting.size:
+            if previous_ids is None:
+                raise RuntimeError("a decode row's token is pending and no step is in flight")
+            stage[waiting, FROM_PREVIOUS] = [pieces[i].seq.pending_row for i in waiting]
+        on_device = self._stage_dev[:size]
+        on_device.copy_(self._stage_host[turn][:size], non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged[turn] = torch.cuda.Event()
+            self._staged[turn].record()
+        buffers = self.buffers
+        for buffer, column in ((buffers.token_ids, TOKEN), (buffers.positions, POSITION), (buffers.slots, SLOT),
+                               (buffers.context_lens, CONTEXT), (buffers.kv_slot_mapping, KV_SLOT)):
+            buffer[:size].copy_(on_device[:, column])
+        buffers.block_tables[:size].copy_(on_device[:, STAGE_COLUMNS:])
+        if waiting.size:
+            source = on_device[:, FROM_PREVIOUS]
+            taken = previous_ids[source.clamp(min=0)]
+            buffers.token_ids[:size].copy_(torch.where(source >= 0, taken, buffers.token_ids[:size]))
 
     def _launch(self, size: int) -> torch.Tensor:
         if size in self._graphs:

@@ -13,8 +13,23 @@ from .cache import KVCache, StatePool
 from .cudagraph import DecodeGraphRunner
 from .model import BambaEngineModel, StepBatch
 from .ranking import top_k
-from .scheduler import Piece, Scheduler, Sequence
+from .scheduler import PENDING, Piece, Scheduler, Sequence
 from .weights import load
+
+
+@dataclass
+class _Ahead:
+    """A decode step queued on the device and not yet read back: row i is seqs[i], whose output id at indices[i] is
+    PENDING; host (with event, on a GPU) receives the k values then the k ids of each row; next_ids (device) are
+    the greedy tokens, fed to the next step; finished: the sequences it completed."""
+
+    seqs: list[Sequence]
+    indices: list[int]
+    k: int
+    host: torch.Tensor
+    event: "torch.cuda.Event | None"
+    next_ids: torch.Tensor
+    finished: list[Sequence]
 
 
 class EngineError(RuntimeError):
@@ -71,13 +86,16 @@ class LLMEngine:
     parallel_timeout_s bounds start-up and every step, after which the call fails with the workers' stacks. CUDA
     graphs are for a single rank (a parallel engine with cuda_graphs is refused). long_prefill_token_threshold: the
     most tokens one prefill piece takes in a step (vLLM's knob), so that several prompts advance in the same step.
+    run_ahead: CUDA-graph decode steps run one step ahead of their results (step()); False reads every step back
+    before the next (the same outputs, for comparison).
     """
 
     def __init__(self, checkpoint: str | Path, *, dtype="float32", device="cpu", max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 8, max_model_len: int | None = None, num_kv_blocks: int | None = None,
                  block_size: int = 16, ssm_state_dtype="float32", allow_long_context: bool = False,
                  cuda_graphs: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 parallel_timeout_s: float = 600.0, long_prefill_token_threshold: int | None = None) -> None:
+                 parallel_timeout_s: float = 600.0, long_prefill_token_threshold: int | None = None,
+                 run_ahead: bool = True) -> None:
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size), ("tensor_parallel_size", tensor_parallel_size),
                             ("pipeline_parallel_size", pipeline_parallel_size)):
@@ -129,6 +147,10 @@ class LLMEngine:
                                    max_num_seqs=max_num_seqs, long_prefill_token_threshold=long_prefill_token_threshold)
         self._arrivals = 0
         self._in_flight: set[str] = set()          # ids added and not yet finished: outputs are matched by id
+        self.run_ahead = run_ahead
+        self._ahead: _Ahead | None = None          # a decode step queued and not yet read back (step)
+        self._result_buffers: list[torch.Tensor | None] = [None, None]
+        self._result_turn = 0
         self.steps = 0
         self.total_preemptions = 0
 
@@ -141,6 +163,7 @@ class LLMEngine:
         if close is not None:
             close()
         self.model = self.kv = self.states = self.graphs = self.scheduler = None
+        self._ahead = None
         self._closed = True
 
     def _check_open(self) -> None:
@@ -188,11 +211,33 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns the requests that finished (their outputs complete).
+
+        A decode-only step that goes through the CUDA-graph runner, for sequences that do not keep whole rows, runs
+        one step ahead of its results: its ranking is queued on the device, each sequence gets a PENDING output id
+        (counts, finishing and the next schedule need no token value), and the step before it is read back only
+        after this one is queued, so the host's bookkeeping overlaps the device's forward. The next step feeds the
+        pending tokens from the device. Any other step, and the last step of the work queued, reads everything back
+        first. Outputs, tokens and logprobs are those of the synchronous order; a request that finished in a step
+        run ahead is returned by the step after it."""
         self._check_open()
         pieces = self.scheduler.schedule()
         if not pieces:
             raise EngineError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                               f"{len(self.scheduler.running)} running requests")
+        if (self.run_ahead and self.graphs is not None and self.graphs.handles(pieces)
+                and not any(p.seq.keep_rows for p in pieces)):
+            previous = self._ahead
+            ahead = self._launch_decode(pieces, previous)
+            self.steps += 1
+            done = self._read_back(previous) if previous is not None else []
+            if self.scheduler.has_work():
+                self._ahead = ahead
+            else:                                                     # nothing left to overlap with
+                self._ahead = None
+                done += self._read_back(ahead)
+            return done
+        done = self._settle()
         if self.graphs is not None and self.graphs.handles(pieces):
             logits = self.graphs.run(pieces)                      # one row per decode, every one wanted
             rows = [(i, 1) for i in range(len(pieces))]
@@ -201,7 +246,6 @@ class LLMEngine:
             logits = self.model.forward(batch, self.states, self.kv)
         self.steps += 1
         self._record(pieces, rows, logits)
-        done = []
         for piece in pieces:
             piece.seq.num_computed += piece.length
             if piece.seq.finished:
@@ -209,6 +253,70 @@ class LLMEngine:
                 self.scheduler.finish(piece.seq)
                 self._in_flight.discard(piece.seq.request_id)
                 done.append(self._output(piece.seq))
+        return done
+
+    def _settle(self) -> list[RequestOutput]:
+        """Read back the step in flight, if any (before anything that needs every token on the host)."""
+        ahead, self._ahead = self._ahead, None
+        return self._read_back(ahead) if ahead is not None else []
+
+    def _launch_decode(self, pieces: list[Piece], previous: "_Ahead | None") -> "_Ahead":
+        """Queue a decode-only step and its ranking (log-softmax, top-k: no host synchronisation) on the device,
+        and the copy of its results to the host; give every sequence its PENDING output id, advance it, and finish
+        (free the slot and blocks of) the sequences this step completes. Nothing here waits for the device."""
+        logits = self.graphs.run(pieces, None if previous is None else previous.next_ids)
+        seqs = [p.seq for p in pieces]
+        k = max(max(1, seq.top_k) for seq in seqs)
+        values, ids = top_k(torch.log_softmax(logits, dim=-1), k)                       # (n, k) each
+        packed = torch.cat([values.double().reshape(-1), ids.double().reshape(-1)])   # fp64: ids and values exact
+        host, event = self._to_host(packed)
+        indices = []
+        for row, seq in enumerate(seqs):
+            indices.append(len(seq.output_ids))
+            seq.output_ids.append(PENDING)
+            seq.pending_row = row
+            seq.num_computed += 1
+        finished = [seq for seq in seqs if seq.finished]
+        for seq in finished:
+            self.total_preemptions += seq.preemptions
+            self.scheduler.finish(seq)
+        return _Ahead(seqs, indices, k, host, event, ids[:, 0], finished)
+
+    def _to_host(self, packed: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """packed's values on the host: on a GPU copied asynchronously into one of two pinned buffers (used in
+        turn: one step's may be read while the next is written) with an event to wait on; on a CPU, packed."""
+        if packed.device.type != "cuda":
+            return packed, None
+        turn = self._result_turn
+        self._result_turn ^= 1
+        buffer = self._result_buffers[turn]
+        if buffer is None or buffer.numel() < packed.numel():
+            buffer = self._result_buffers[turn] = torch.empty(max(packed.numel(), 1 << 12), dtype=torch.float64,
+                                                              pin_memory=True)
+        host = buffer[:packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _read_back(self, ahead: "_Ahead") -> list[RequestOutput]:
+        """Wait for a step run ahead, put its tokens, logprobs and top-k into its sequences, and return the outputs
+        of those it finished."""
+        if ahead.event is not None:
+            ahead.event.synchronize()
+        n, k = len(ahead.seqs), ahead.k
+        values = ahead.host[:n * k].reshape(n, k).tolist()
+        ids = ahead.host[n * k:].reshape(n, k).long().tolist()
+        for seq, index, vals, row_ids in zip(ahead.seqs, ahead.indices, values, ids):
+            seq.output_ids[index] = row_ids[0]                     # greedy; ties go to the lowest index (ranking.py)
+            seq.output_logprobs.append(vals[0])
+            seq.output_top.append(list(zip(row_ids, vals))[:seq.top_k])
+            if index == len(seq.output_ids) - 1:                   # not already run ahead again
+                seq.pending_row = None
+        done = []
+        for seq in ahead.finished:
+            self._in_flight.discard(seq.request_id)
+            done.append(self._output(seq))
         return done
 
     def _build_batch(self, pieces: list[Piece]) -> tuple[StepBatch, list[tuple[int, int]]]:

@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 from .cache import KVCache, StatePool
 
 
+# An output id not yet read back from the device: a decode step runs ahead of its results (engine.py, "in flight");
+# the next step takes that token from the device, and the id is filled in when the step is read back.
+PENDING = -1
+
+
 @dataclass(eq=False)               # identity: two requests with equal fields are still two sequences
 class Sequence:
     request_id: str
@@ -38,6 +43,7 @@ class Sequence:
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)
     preemptions: int = 0
+    pending_row: int | None = None   # while its last output id is PENDING: that token's row in the step in flight
 
     @property
     def tokens(self) -> list[int]:
