@@ -32,13 +32,15 @@ WORKLOADS = {
 
 
 def _drive(engine: LLMEngine, requests, arrivals, keep_rows_id: str | None) -> tuple[dict, list[str]]:
-    """Step the engine by hand (so the order outputs come back in is seen), one request keeping whole rows."""
+    """Step the engine by hand (so the order outputs come back in is seen); the request keep_rows_id ("*": every
+    one) keeps whole rows."""
     for request_id, prompt, n in requests:
-        engine.add_request(request_id, prompt, n, top_k=1 + len(request_id) % 3, keep_rows=request_id == keep_rows_id)
+        engine.add_request(request_id, prompt, n, top_k=1 + len(request_id) % 3,
+                           keep_rows=keep_rows_id in (request_id, "*"))
     outputs, order = {}, []
     while engine.has_unfinished() or arrivals:
         for request_id, prompt, n in arrivals.pop(engine.steps, []):
-            engine.add_request(request_id, prompt, n, top_k=2)
+            engine.add_request(request_id, prompt, n, top_k=2, keep_rows=keep_rows_id == "*")
         if not engine.has_unfinished():
             engine.steps += 1
             continue
@@ -72,9 +74,9 @@ def _compare(name, keep_rows_id, monkeypatch, device, dtype="float32"):
     launched = []
     original = LLMEngine._launch_decode
 
-    def counted(self, pieces, previous):
-        launched.append(previous is not None)
-        return original(self, pieces, previous)
+    def counted(self, pieces):
+        launched.append(any(p.seq.token_at(p.start) == PENDING for p in pieces))     # a token fed on the device
+        return original(self, pieces)
 
     monkeypatch.setattr(LLMEngine, "_launch_decode", counted)
     results = {}
@@ -84,7 +86,7 @@ def _compare(name, keep_rows_id, monkeypatch, device, dtype="float32"):
         results[run_ahead] = (outputs, set(order), engine.steps, dict(engine.graphs.launches),
                               engine.total_preemptions)
         engine.close()
-    assert launched and any(launched), "no step ran ahead of another: this checked nothing"
+    assert any(launched), "no step fed a token still on the device: this checked nothing"
     sync, ahead = results[False], results[True]
     assert ahead[1:] == sync[1:], "requests, steps, graph launches or preemptions differ"
     if name == "preemption":
@@ -96,6 +98,33 @@ def _compare(name, keep_rows_id, monkeypatch, device, dtype="float32"):
         assert (got.rows is None) == (want.rows is None)
         if want.rows is not None:
             assert got.rows.equal(want.rows)
+
+
+def _ranked_in_the_graph_vs_from_the_rows(device, dtype):
+    """Outputs of graph steps ranked inside the graph (and run ahead) against the same steps ranked by _record from
+    the logits (every request keeping its rows takes that path): the same tokens, logprobs and top-k."""
+    options, requests, arrivals = WORKLOADS["arrivals"]
+    got = {}
+    for keep in (False, True):
+        engine = LLMEngine(TINY, cuda_graphs=True, device=device, dtype=dtype, **options)
+        outputs, _ = _drive(engine, [(f"{r}", p, n) for r, p, n in requests], dict(arrivals),
+                            keep_rows_id="*" if keep else None)
+        got[keep] = outputs
+        engine.close()
+    for request_id, want in got[True].items():
+        for field in ("output_ids", "output_logprobs", "output_top", "prompt_logprobs"):
+            assert getattr(got[False][request_id], field) == getattr(want, field), f"{request_id}: {field}"
+
+
+def test_ranked_in_the_graph_as_from_the_rows():
+    _ranked_in_the_graph_vs_from_the_rows("cpu", "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ranked_in_the_graph_as_from_the_rows_on_the_gpu(dtype):
+    _ranked_in_the_graph_vs_from_the_rows("cuda", dtype)
 
 
 def test_a_request_finished_ahead_comes_back_with_the_next_step():

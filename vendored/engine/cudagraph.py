@@ -1,17 +1,19 @@
 """CUDA graphs for decode steps: one graph per batch size, captured once, replayed with padded batches.
 
 A step whose pieces are all decodes (one token per running sequence) goes through `DecodeGraphRunner`:
-1. its B rows are written into persistent buffers (token ids, positions, state slots, fixed-width block tables,
-   context lengths, K/V write positions): staged on the host, one asynchronous host-to-device copy, spread on the
-   device; a token the previous step chose and the host has not read back yet is taken from that step's device
-   output (the engine runs one decode step ahead of its results, engine.py);
+1. its B rows (token ids, positions, state slots, fixed-width block tables, context lengths, K/V write positions)
+   are staged on the host and sent in one asynchronous copy; the step spreads them into the model's inputs on the
+   device, where a token the previous step chose and the host has not read back yet is taken from that step's
+   greedy tokens (the engine runs one decode step ahead of its results, engine.py);
 2. the batch is padded up to the next captured size: a padding row feeds token 0 at position 0, names the pad
    state slot (the mamba kernels skip it) and the pad K/V block (its key is written there and nothing reads it), and
    has context length 0 (its attention output is zero);
-3. the graph of that size is replayed; its first B logits rows are the step's.
-`padded_decode_forward` is the step itself, a plain function of the buffers: on a CUDA device it is what is captured;
-on a CPU (nothing to capture) the runner calls it eagerly, so the CPU tests check the very padding, buffers and
-masks that the graphs replay. Mixed prefill + decode steps, and decode batches above the largest size, run eagerly.
+3. the graph of that size is replayed; its first B rows of logits and of ranked tokens (log-softmax, top-k) are
+   the step's.
+`padded_decode_step` is the step itself, a plain function of the buffers (the staged rows spread into the model's
+inputs, the forward, the ranking of every row): on a CUDA device it is what is captured; on a CPU (nothing to
+capture) the runner calls it eagerly, so the CPU tests check the very padding, buffers and masks that the graphs
+replay. Mixed prefill + decode steps, and decode batches above the largest size, run eagerly.
 
 Captured sizes: 1, 2, 4, ..., 512 up to the first one >= max_num_seqs. Attention spans the whole block table
 (max_model_len keys), so one graph serves every context length the engine allows.
@@ -20,6 +22,7 @@ Captured sizes: 1, 2, 4, ..., 512 up to the first one >= max_num_seqs. Attention
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,13 +30,17 @@ import torch
 
 from .cache import KVCache, StatePool
 from .model import BambaEngineModel, StepBatch
+from .ranking import top_k
 from .scheduler import PENDING, Piece
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# Columns of a staged row (DecodeGraphRunner._fill): the graph inputs of one row, then the row of the step in flight
+# Columns of a staged row (DecodeGraphRunner._stage): the graph inputs of one row, then the row of the step in flight
 # whose greedy token it feeds (-1: its token is known on the host), then its block table.
 TOKEN, POSITION, SLOT, CONTEXT, KV_SLOT, FROM_PREVIOUS = range(6)
 STAGE_COLUMNS = 6
+# The step ranks its rows inside the graph: this many best tokens of each (a step asking for more ranks its logits
+# again outside the graph, engine.py).
+GRAPH_TOP_K = 8
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -44,14 +51,19 @@ def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 class DecodeBuffers:
-    """The graph inputs, allocated once for the largest size; a step of size b uses the first b rows.
+    """The graph's memory, allocated once for the largest size; a step of size b uses the first b rows.
 
-    token_ids, positions, context_lens, kv_slot_mapping (Bmax,) int64; slots (Bmax,) int32; block_tables
-    (Bmax, M) int64 with M = blocks of max_model_len; rows (Bmax + 1,) = 0..Bmax (logits rows and query starts).
+    staged (Bmax, STAGE_COLUMNS + M) int64: what the host sends for each row (columns TOKEN ... FROM_PREVIOUS,
+    then the block table of M = blocks of max_model_len). The step spreads it into the model's inputs: token_ids,
+    positions, context_lens, kv_slot_mapping (Bmax,) int64; slots (Bmax,) int32; block_tables (Bmax, M) int64.
+    rows (Bmax + 1,) = 0..Bmax (logits rows and query starts). next_ids (Bmax,) int64: each row's greedy token, left
+    by the step for the next one (a row of the next step whose FROM_PREVIOUS is r feeds next_ids[r]).
     """
 
     def __init__(self, max_rows: int, table_width: int, device: torch.device) -> None:
         i64 = dict(dtype=torch.long, device=device)
+        self.staged = torch.zeros(max_rows, STAGE_COLUMNS + table_width, **i64)
+        self.next_ids = torch.zeros(max_rows, **i64)
         self.token_ids = torch.zeros(max_rows, **i64)
         self.positions = torch.zeros(max_rows, **i64)
         self.context_lens = torch.zeros(max_rows, **i64)
@@ -74,11 +86,26 @@ class DecodeBuffers:
             logits_rows=self.rows[:size], static_decode=True)
 
 
-def padded_decode_forward(model: BambaEngineModel, buffers: DecodeBuffers, size: int, states: StatePool,
-                          kv: KVCache) -> torch.Tensor:
-    """The decode step over the first `size` rows of the buffers (padding rows included); returns fp32 logits
-    (size, V). Every shape depends on `size` and the table width only, and nothing reads a value back to the host."""
-    return model.forward(buffers.step_batch(size), states, kv)
+def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: int, states: StatePool,
+                       kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step over the first `size` rows of the buffers (padding rows included): the staged rows spread
+    into the model's inputs (a row whose token is pending takes the previous step's from next_ids), the forward,
+    and the ranking of every row (log-softmax, the GRAPH_TOP_K best with the tie rule of ranking.py); the greedy
+    tokens left in next_ids. Returns fp32 logits (size, V) and ranked (size, 2·K) fp64: each row's K values then
+    its K ids (fp64 holds both exactly), K = min(GRAPH_TOP_K, V). Every shape depends on `size` and the table width
+    only, and nothing reads a value back to the host."""
+    staged = buffers.staged[:size]
+    source = staged[:, FROM_PREVIOUS]
+    buffers.token_ids[:size].copy_(torch.where(source >= 0, buffers.next_ids[source.clamp(min=0)],
+                                               staged[:, TOKEN]))
+    for buffer, column in ((buffers.positions, POSITION), (buffers.slots, SLOT), (buffers.context_lens, CONTEXT),
+                           (buffers.kv_slot_mapping, KV_SLOT)):
+        buffer[:size].copy_(staged[:, column])
+    buffers.block_tables[:size].copy_(staged[:, STAGE_COLUMNS:])
+    logits = model.forward(buffers.step_batch(size), states, kv)
+    values, ids = top_k(torch.log_softmax(logits, dim=-1), min(GRAPH_TOP_K, logits.shape[-1]))
+    buffers.next_ids[:size].copy_(ids[:, 0])
+    return logits, torch.cat([values.double(), ids.double()], dim=1)
 
 
 class DecodeGraphRunner:
@@ -98,13 +125,12 @@ class DecodeGraphRunner:
         self.launches: Counter[int] = Counter()
         self.padding_rows = 0
         self.replays = 0
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         width = STAGE_COLUMNS + self.table_width
         pinned = self.device.type == "cuda"
         self._stage_host = [torch.zeros((self.sizes[-1], width), dtype=torch.long, pin_memory=pinned)
                             for _ in range(2)]
         self._stage_np = [t.numpy() for t in self._stage_host]
-        self._stage_dev = torch.zeros((self.sizes[-1], width), dtype=torch.long, device=self.device)
         self._staged: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._stage_pads = np.zeros(STAGE_COLUMNS, dtype=np.int64)          # a padding row's staged values
@@ -121,21 +147,21 @@ class DecodeGraphRunner:
     def size_for(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)
 
-    def run(self, pieces: Sequence[Piece], previous_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (len(pieces), V) of a decode-only step, row i for pieces[i]; states and K/V updated in place.
-        previous_ids: the device's greedy tokens of the step in flight, where a sequence's token to feed is still
-        PENDING (row seq.pending_row of it)."""
+    def run(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step: logits (len(pieces), V) and ranked (len(pieces), 2·K) (padded_decode_step), row i
+        for pieces[i]; states and K/V updated in place. A sequence whose token to feed is still PENDING takes it
+        from row seq.pending_row of the previous step's next_ids."""
         size = self.size_for(len(pieces))
-        self._fill(pieces, size, previous_ids)
+        self._stage(pieces, size)
         self.launches[size] += 1
         self.padding_rows += size - len(pieces)
-        return self._launch(size)[:len(pieces)]
+        logits, ranked = self._launch(size)
+        return logits[:len(pieces)], ranked[:len(pieces)]
 
-    def _fill(self, pieces: Sequence[Piece], size: int, previous_ids: torch.Tensor | None) -> None:
-        """Write the step's rows, then padding up to `size`, into the buffers. The rows are assembled in a host
-        staging array (numpy: no tensor per row), sent in one copy (asynchronous from pinned memory on a GPU, two
-        staging arrays used in turn so that one is written while the other's copy may still wait in the stream),
-        and spread over the buffers on the device. Tokens still PENDING are taken from `previous_ids` there."""
+    def _stage(self, pieces: Sequence[Piece], size: int) -> None:
+        """Write the step's rows, then padding up to `size`, into a host staging array (numpy: no tensor per row) and
+        send it to buffers.staged in one copy: asynchronous from pinned memory on a GPU, two staging arrays used in
+        turn so that one is written while the other's copy may still wait in the stream."""
         bs, pad_block, n = self.kv.block_size, self.kv.pad_block, len(pieces)
         turn = self._turn
         self._turn ^= 1
@@ -144,65 +170,55 @@ class DecodeGraphRunner:
         stage = self._stage_np[turn][:size]                    # (size, STAGE_COLUMNS + M)
         positions = np.fromiter((p.start for p in pieces), dtype=np.int64, count=n)
         tokens = np.fromiter((p.seq.token_at(p.start) for p in pieces), dtype=np.int64, count=n)
-        waiting = np.flatnonzero(tokens == PENDING)
         stage[:, :STAGE_COLUMNS] = self._stage_pads
-        stage[:n, TOKEN] = np.where(tokens == PENDING, 0, tokens)
+        stage[:n, TOKEN] = tokens
         stage[:n, POSITION] = positions
         stage[:n, SLOT] = np.fromiter((p.seq.slot for p in pieces), dtype=np.int64, count=n)
         stage[:n, CONTEXT] = positions + 1
         tables = stage[:, STAGE_COLUMNS:]                                                  # (size, M)
         tables[:] = pad_block
         if self.kv.enabled:
-            for row, piece in enumerate(pieces):
-                blocks = piece.seq.blocks
-                tables[row, :len(blocks)] = blocks
+            lengths = np.fromiter((len(p.seq.blocks) for p in pieces), dtype=np.int64, count=n)
+            flat = np.fromiter(chain.from_iterable(p.seq.blocks for p in pieces), dtype=np.int64,
+                               count=int(lengths.sum()))
+            rows = np.repeat(np.arange(n), lengths)
+            columns = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            tables[rows, columns] = flat
             stage[:n, KV_SLOT] = tables[np.arange(n), positions // bs] * bs + positions % bs
+        waiting = np.flatnonzero(tokens == PENDING)
         if waiting.size:
-            if previous_ids is None:
-                raise RuntimeError("a decode row's token is pending and no step is in flight")
+            stage[waiting, TOKEN] = 0
             stage[waiting, FROM_PREVIOUS] = [pieces[i].seq.pending_row for i in waiting]
-        on_device = self._stage_dev[:size]
-        on_device.copy_(self._stage_host[turn][:size], non_blocking=True)
+        self.buffers.staged[:size].copy_(self._stage_host[turn][:size], non_blocking=True)
         if self.device.type == "cuda":
             self._staged[turn] = torch.cuda.Event()
             self._staged[turn].record()
-        buffers = self.buffers
-        for buffer, column in ((buffers.token_ids, TOKEN), (buffers.positions, POSITION), (buffers.slots, SLOT),
-                               (buffers.context_lens, CONTEXT), (buffers.kv_slot_mapping, KV_SLOT)):
-            buffer[:size].copy_(on_device[:, column])
-        buffers.block_tables[:size].copy_(on_device[:, STAGE_COLUMNS:])
-        if waiting.size:
-            source = on_device[:, FROM_PREVIOUS]
-            taken = previous_ids[source.clamp(min=0)]
-            buffers.token_ids[:size].copy_(torch.where(source >= 0, taken, buffers.token_ids[:size]))
 
-    def _launch(self, size: int) -> torch.Tensor:
+    def _launch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if size in self._graphs:
-            graph, logits = self._graphs[size]
+            graph, outputs = self._graphs[size]
             graph.replay()
             self.replays += 1
-            return logits
-        return padded_decode_forward(self.model, self.buffers, size, self.states, self.kv)
+            return outputs
+        return padded_decode_step(self.model, self.buffers, size, self.states, self.kv)
 
     def _capture(self) -> None:
         """Capture every size once, largest first, into one shared memory pool. Each is run twice on a side stream
         first (Triton compiles its kernels for the shapes, cuBLAS sets up its workspace), with every row padding so
         that no live state is touched."""
-        buffers, pad_block = self.buffers, self.kv.pad_block
-        buffers.slots.fill_(self.states.pad_slot)
-        buffers.context_lens.zero_()
-        buffers.block_tables.fill_(pad_block)
-        buffers.kv_slot_mapping.fill_(pad_block * self.kv.block_size)
+        staged = self.buffers.staged
+        staged[:, :STAGE_COLUMNS] = torch.from_numpy(self._stage_pads).to(self.device)
+        staged[:, STAGE_COLUMNS:] = self.kv.pad_block
         pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.sizes, reverse=True):
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    padded_decode_forward(self.model, buffers, size, self.states, self.kv)
+                    padded_decode_step(self.model, self.buffers, size, self.states, self.kv)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = padded_decode_forward(self.model, buffers, size, self.states, self.kv)
-            self._graphs[size] = (graph, logits)
+                outputs = padded_decode_step(self.model, self.buffers, size, self.states, self.kv)
+            self._graphs[size] = (graph, outputs)
         torch.cuda.synchronize(self.device)

@@ -20,15 +20,13 @@ from .weights import load
 @dataclass
 class _Ahead:
     """A decode step queued on the device and not yet read back: row i is seqs[i], whose output id at indices[i] is
-    PENDING; host (with event, on a GPU) receives the k values then the k ids of each row; next_ids (device) are
-    the greedy tokens, fed to the next step; finished: the sequences it completed."""
+    PENDING; host (n, 2k) (with its event, on a GPU) receives the k best values then their k ids of each row;
+    finished: the sequences it completed."""
 
     seqs: list[Sequence]
     indices: list[int]
-    k: int
     host: torch.Tensor
     event: "torch.cuda.Event | None"
-    next_ids: torch.Tensor
     finished: list[Sequence]
 
 
@@ -225,21 +223,19 @@ class LLMEngine:
         if not pieces:
             raise EngineError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                               f"{len(self.scheduler.running)} running requests")
-        if (self.run_ahead and self.graphs is not None and self.graphs.handles(pieces)
-                and not any(p.seq.keep_rows for p in pieces)):
-            previous = self._ahead
-            ahead = self._launch_decode(pieces, previous)
+        if self.graphs is not None and self.graphs.handles(pieces) and not any(p.seq.keep_rows for p in pieces):
+            previous, self._ahead = self._ahead, None
+            ahead = self._launch_decode(pieces)
             self.steps += 1
             done = self._read_back(previous) if previous is not None else []
-            if self.scheduler.has_work():
+            if self.run_ahead and self.scheduler.has_work():
                 self._ahead = ahead
-            else:                                                     # nothing left to overlap with
-                self._ahead = None
+            else:                                                     # nothing left to overlap with, or not asked
                 done += self._read_back(ahead)
             return done
         done = self._settle()
         if self.graphs is not None and self.graphs.handles(pieces):
-            logits = self.graphs.run(pieces)                      # one row per decode, every one wanted
+            logits, _ = self.graphs.run(pieces)                   # one row per decode, every one wanted
             rows = [(i, 1) for i in range(len(pieces))]
         else:
             batch, rows = self._build_batch(pieces)
@@ -260,16 +256,18 @@ class LLMEngine:
         ahead, self._ahead = self._ahead, None
         return self._read_back(ahead) if ahead is not None else []
 
-    def _launch_decode(self, pieces: list[Piece], previous: "_Ahead | None") -> "_Ahead":
-        """Queue a decode-only step and its ranking (log-softmax, top-k: no host synchronisation) on the device,
-        and the copy of its results to the host; give every sequence its PENDING output id, advance it, and finish
-        (free the slot and blocks of) the sequences this step completes. Nothing here waits for the device."""
-        logits = self.graphs.run(pieces, None if previous is None else previous.next_ids)
+    def _launch_decode(self, pieces: list[Piece]) -> "_Ahead":
+        """Queue a decode-only graph step (its rows ranked inside the graph; a k above GRAPH_TOP_K ranked again
+        from the logits, also on the device) and the copy of its results to the host; give every sequence its
+        PENDING output id, advance it, and finish (free the slot and blocks of) the sequences this step completes.
+        Nothing here waits for the device."""
+        logits, ranked = self.graphs.run(pieces)
         seqs = [p.seq for p in pieces]
         k = max(max(1, seq.top_k) for seq in seqs)
-        values, ids = top_k(torch.log_softmax(logits, dim=-1), k)                       # (n, k) each
-        packed = torch.cat([values.double().reshape(-1), ids.double().reshape(-1)])   # fp64: ids and values exact
-        host, event = self._to_host(packed)
+        if k > ranked.shape[1] // 2:
+            values, ids = top_k(torch.log_softmax(logits, dim=-1), k)                   # (n, k) each
+            ranked = torch.cat([values.double(), ids.double()], dim=1)
+        host, event = self._to_host(ranked)
         indices = []
         for row, seq in enumerate(seqs):
             indices.append(len(seq.output_ids))
@@ -280,37 +278,37 @@ class LLMEngine:
         for seq in finished:
             self.total_preemptions += seq.preemptions
             self.scheduler.finish(seq)
-        return _Ahead(seqs, indices, k, host, event, ids[:, 0], finished)
+        return _Ahead(seqs, indices, host, event, finished)
 
-    def _to_host(self, packed: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
-        """packed's values on the host: on a GPU copied asynchronously into one of two pinned buffers (used in
-        turn: one step's may be read while the next is written) with an event to wait on; on a CPU, packed."""
-        if packed.device.type != "cuda":
-            return packed, None
+    def _to_host(self, ranked: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """ranked (n, 2k) on the host: on a GPU copied asynchronously into one of two pinned buffers (used in turn:
+        one step's may be read while the next is written) with an event to wait on; on a CPU, ranked itself."""
+        if ranked.device.type != "cuda":
+            return ranked, None
         turn = self._result_turn
         self._result_turn ^= 1
         buffer = self._result_buffers[turn]
-        if buffer is None or buffer.numel() < packed.numel():
-            buffer = self._result_buffers[turn] = torch.empty(max(packed.numel(), 1 << 12), dtype=torch.float64,
+        if buffer is None or buffer.numel() < ranked.numel():
+            buffer = self._result_buffers[turn] = torch.empty(max(ranked.numel(), 1 << 12), dtype=torch.float64,
                                                               pin_memory=True)
-        host = buffer[:packed.numel()]
-        host.copy_(packed, non_blocking=True)
+        host = buffer[:ranked.numel()].view(ranked.shape)
+        host.copy_(ranked, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return host, event
 
     def _read_back(self, ahead: "_Ahead") -> list[RequestOutput]:
-        """Wait for a step run ahead, put its tokens, logprobs and top-k into its sequences, and return the outputs
-        of those it finished."""
+        """Wait for a step launched by _launch_decode, put its tokens, logprobs and top-k into its sequences, and
+        return the outputs of those it finished."""
         if ahead.event is not None:
             ahead.event.synchronize()
-        n, k = len(ahead.seqs), ahead.k
-        values = ahead.host[:n * k].reshape(n, k).tolist()
-        ids = ahead.host[n * k:].reshape(n, k).long().tolist()
+        k = ahead.host.shape[1] // 2
+        values = ahead.host[:, :k].tolist()
+        ids = ahead.host[:, k:].long().tolist()
         for seq, index, vals, row_ids in zip(ahead.seqs, ahead.indices, values, ids):
             seq.output_ids[index] = row_ids[0]                     # greedy; ties go to the lowest index (ranking.py)
             seq.output_logprobs.append(vals[0])
-            seq.output_top.append(list(zip(row_ids, vals))[:seq.top_k])
+            seq.output_top.append(list(zip(row_ids[:seq.top_k], vals[:seq.top_k])))
             if index == len(seq.output_ids) - 1:                   # not already run ahead again
                 seq.pending_row = None
         done = []
