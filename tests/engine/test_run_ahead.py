@@ -100,7 +100,7 @@ def _compare(name, keep_rows_id, monkeypatch, device, dtype="float32"):
             assert got.rows.equal(want.rows)
 
 
-def _ranked_in_the_graph_vs_from_the_rows(device, dtype):
+def _check_ranked_in_the_graph_as_from_the_rows(device, dtype):
     """Outputs of graph steps ranked inside the graph (and run ahead) against the same steps ranked by _record from
     the logits (every request keeping its rows takes that path): the same tokens, logprobs and top-k."""
     options, requests, arrivals = WORKLOADS["arrivals"]
@@ -117,14 +117,14 @@ def _ranked_in_the_graph_vs_from_the_rows(device, dtype):
 
 
 def test_ranked_in_the_graph_as_from_the_rows():
-    _ranked_in_the_graph_vs_from_the_rows("cpu", "float32")
+    _check_ranked_in_the_graph_as_from_the_rows("cpu", "float32")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ranked_in_the_graph_as_from_the_rows_on_the_gpu(dtype):
-    _ranked_in_the_graph_vs_from_the_rows("cuda", dtype)
+    _check_ranked_in_the_graph_as_from_the_rows("cuda", dtype)
 
 
 def test_a_request_finished_ahead_comes_back_with_the_next_step():

@@ -16,11 +16,12 @@ SORT_WIDTH = 1024    # rows at most this wide are ranked with one stable sort (r
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries of each row of x (..., V), largest first, ties by lower index.
 
-    Rows up to SORT_WIDTH wide: a stable descending sort. Wider rows of a 16- or 32-bit float dtype: _top_k_exact
-    (a torch.topk over int32 order keys, then the tie at the k-th place settled by index). Neither synchronises with
-    the host, so both are safe inside a captured graph and leave the host free while the device ranks. Wider float64
-    rows: torch.topk for k + 1, the k kept re-ordered by (value, index), and rows whose k-th and (k+1)-th values tie
-    ranked again exactly (one host synchronisation).
+    Rows up to SORT_WIDTH wide: a stable descending sort. Wider rows of a 16- or 32-bit float dtype: one torch.topk
+    over exact int64 keys (_keys: the value's order in the high bits, the reversed index in the low ones), so the
+    order is the rule's by construction. Neither synchronises with the host, so both are safe inside a captured
+    graph and leave the host free while the device ranks. Wider float64 rows: torch.topk for k + 1, the k kept
+    re-ordered by (value, index), and rows whose k-th and (k+1)-th values tie ranked again exactly (one host
+    synchronisation).
     """
     width = x.shape[-1]
     if not 0 <= k <= width:
@@ -29,9 +30,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ranked = torch.sort(x, dim=-1, descending=True, stable=True)
         return ranked.values[..., :k], ranked.indices[..., :k]
     if x.dtype in (torch.float32, torch.bfloat16, torch.float16) and width < 1 << INDEX_BITS:
-        if k == 0:
-            return x[..., :0], torch.zeros_like(x[..., :0], dtype=torch.long)
-        indices = _top_k_exact(x.reshape(-1, width), k).reshape(*x.shape[:-1], k)
+        indices = torch.topk(_keys(x), k, dim=-1).indices
         return x.gather(-1, indices), indices
     flat = x.reshape(-1, width)
     values, indices = torch.topk(flat, k + 1, dim=-1)
@@ -44,36 +43,20 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values.reshape(*x.shape[:-1], k), indices.reshape(*x.shape[:-1], k)
 
 
-INDEX_BITS = 24      # composite keys of the k candidates: the index in the low bits (rows up to 2^24 entries wide)
+INDEX_BITS = 24      # the keys' low bits: rows up to 2^24 entries wide
 
 
-def _order_keys(x: torch.Tensor) -> torch.Tensor:
-    """int32 keys of x's entries (a float dtype of at most 32 bits) in the order of their values: the float32 bits
-    made monotonic (negative values have their 31 low bits flipped, so a larger magnitude ranks lower; -0.0 is made
-    +0.0 first, as the two compare equal). Every NaN gets the largest key, as torch.sort ranks NaN first."""
+def _keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys of x's entries (a float dtype of at most 32 bits) whose descending order is (value descending,
+    index ascending): the float32 bits made monotonic (negative values have their 31 low bits flipped, so a larger
+    magnitude ranks lower; -0.0 is made +0.0 first, as the two compare equal) times 2^INDEX_BITS, plus
+    2^INDEX_BITS - 1 - index. Every NaN ranks above +inf, as in torch.sort's descending order."""
     x = x.float()
     bits = (x + 0.0).view(torch.int32)
     ordered = torch.where(bits < 0, torch.bitwise_xor(bits, 0x7FFFFFFF), bits)
-    return torch.where(torch.isnan(x), 0x7FFFFFFF, ordered)                # any NaN, whatever its sign bit
-
-
-def _top_k_exact(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (rows, k) of the k best entries of each row of x (rows, V) by (value desc, index asc), 1 <= k < V,
-    without a host synchronisation. torch.topk over the order keys finds the k-th key t; every entry above t is
-    among its k and is put in rule order by sorting those k alone; the places left go to the entries equal to t
-    of lowest index, found in ascending order by a running count of them (cumsum) and searchsorted."""
-    keys = _order_keys(x)                                                            # (rows, V) int32
-    top_keys, top_ids = torch.topk(keys, k, dim=-1)                                  # ties in no set order
-    t = top_keys[:, k - 1:k]                                                         # (rows, 1)
-    above = (keys > t).sum(-1, keepdim=True)                                         # (rows, 1), < k
-    composite = top_keys.long() * (1 << INDEX_BITS) + ((1 << INDEX_BITS) - 1 - top_ids)
-    ranked = top_ids.gather(-1, composite.argsort(dim=-1, descending=True))          # first `above`: the rule's
-    running = (keys == t).cumsum(-1, dtype=torch.int32)                              # (rows, V)
-    nth = torch.arange(1, k + 1, dtype=torch.int32, device=x.device).expand(x.shape[0], k).contiguous()
-    tied = torch.searchsorted(running, nth)                                          # (rows, k): the j-th equal to t
-    place = torch.arange(k, device=x.device)[None]                                   # (1, k)
-    from_tie = tied.gather(-1, (place - above).clamp(min=0))
-    return torch.where(place < above, ranked, from_tie)
+    ordered = torch.where(torch.isnan(x), 0x7FFFFFFF, ordered).long()      # any NaN, whatever its sign bit
+    reversed_index = (1 << INDEX_BITS) - 1 - torch.arange(x.shape[-1], device=x.device)
+    return ordered * (1 << INDEX_BITS) + reversed_index
 
 
 def _by_value_then_index(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
