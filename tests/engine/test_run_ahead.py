@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vendored.engine import LLMEngine
+from vendored.engine.cudagraph import GRAPH_TOP_K
 from vendored.engine.scheduler import PENDING
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-bamba"
@@ -31,16 +32,17 @@ WORKLOADS = {
 }
 
 
-def _drive(engine: LLMEngine, requests, arrivals, keep_rows_id: str | None) -> tuple[dict, list[str]]:
+def _drive(engine: LLMEngine, requests, arrivals, keep_rows_id: str | None,
+           top_k: int | None = None) -> tuple[dict, list[str]]:
     """Step the engine by hand (so the order outputs come back in is seen); the request keep_rows_id ("*": every
     one) keeps whole rows."""
     for request_id, prompt, n in requests:
-        engine.add_request(request_id, prompt, n, top_k=1 + len(request_id) % 3,
+        engine.add_request(request_id, prompt, n, top_k=top_k or 1 + len(request_id) % 3,
                            keep_rows=keep_rows_id in (request_id, "*"))
     outputs, order = {}, []
     while engine.has_unfinished() or arrivals:
         for request_id, prompt, n in arrivals.pop(engine.steps, []):
-            engine.add_request(request_id, prompt, n, top_k=2, keep_rows=keep_rows_id == "*")
+            engine.add_request(request_id, prompt, n, top_k=top_k or 2, keep_rows=keep_rows_id == "*")
         if not engine.has_unfinished():
             engine.steps += 1
             continue
@@ -100,24 +102,32 @@ def _compare(name, keep_rows_id, monkeypatch, device, dtype="float32"):
             assert got.rows.equal(want.rows)
 
 
-def _check_ranked_in_the_graph_as_from_the_rows(device, dtype):
+def _check_ranked_in_the_graph_as_from_the_rows(device, dtype, top_k=None):
     """Outputs of graph steps ranked inside the graph (and run ahead) against the same steps ranked by _record from
-    the logits (every request keeping its rows takes that path): the same tokens, logprobs and top-k."""
+    the logits (every request keeping its rows takes that path): the same tokens, logprobs and top-k. top_k: every
+    request's, else 1-3 by request."""
     options, requests, arrivals = WORKLOADS["arrivals"]
     got = {}
     for keep in (False, True):
         engine = LLMEngine(TINY, cuda_graphs=True, device=device, dtype=dtype, **options)
         outputs, _ = _drive(engine, [(f"{r}", p, n) for r, p, n in requests], dict(arrivals),
-                            keep_rows_id="*" if keep else None)
+                            keep_rows_id="*" if keep else None, top_k=top_k)
         got[keep] = outputs
         engine.close()
     for request_id, want in got[True].items():
+        if top_k is not None:
+            assert {len(top) for top in got[False][request_id].output_top} == {top_k}, f"{request_id}: top-k width"
         for field in ("output_ids", "output_logprobs", "output_top", "prompt_logprobs"):
             assert getattr(got[False][request_id], field) == getattr(want, field), f"{request_id}: {field}"
 
 
 def test_ranked_in_the_graph_as_from_the_rows():
     _check_ranked_in_the_graph_as_from_the_rows("cpu", "float32")
+
+
+def test_a_top_k_wider_than_the_graph_ranks_again_from_the_logits():
+    """More than GRAPH_TOP_K asked: a step run ahead ranks its logits again outside the graph."""
+    _check_ranked_in_the_graph_as_from_the_rows("cpu", "float32", top_k=GRAPH_TOP_K + 4)
 
 
 @pytest.mark.gpu
