@@ -39,11 +39,15 @@ START_WAIT_S = 300
 DRIVER_ERR = "driver.err"                                          # in the driver's TMPDIR, beside what it leaves
 
 # The driver: a TP=2 engine on the CPU, then a line on stdout once it is up, then nothing until a signal ends it.
+# It takes SIGINT the way a program started from a terminal does (KeyboardInterrupt): a process started from a
+# background job of a non-interactive shell (`make test-slow &`) inherits SIGINT ignored, and the SIGINT cases would
+# then wait for a driver that never noticed the signal (two failures of a clean-clone run started that way).
 DRIVER = """
-import sys, time
+import signal, sys, time
 from vendored.engine import LLMEngine
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     engine = LLMEngine(sys.argv[1], tensor_parallel_size=2, max_model_len=32, max_num_seqs=2)
     print("ready", flush=True)
     time.sleep(600)
