@@ -281,6 +281,19 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(x.dtype)
 
 
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add then RMSNorm: (x + delta, rms_norm_ref(x + delta)), the sum in x's dtype; delta None: (x,
+    rms_norm_ref(x)). x, delta (T, D); weight (D,)."""
+    total = x if delta is None else x + delta
+    return total, rms_norm_ref(total, weight, eps)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product silu(gate)·up, in the inputs' dtype (16-bit: the silu rounded before the product)."""
+    return F.silu(gate) * up
+
+
 def rotary_ref(x: torch.Tensor, positions: torch.Tensor, *, rotary_dim: int, theta: float) -> torch.Tensor:
     """NeoX (rotate-half) RoPE on the first `rotary_dim` dims of each head; the rest pass through.
 
