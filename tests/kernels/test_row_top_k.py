@@ -1,0 +1,156 @@
+"""row_top_k against its twin torch.topk(ranking._keys(x), k).indices: every index of every row, equal tensors.
+
+Rows of normal values, of a handful of levels (ties everywhere, at the k-th place too), of special values (signed
+zeros, subnormals of both signs, ±inf, NaN with either sign bit and with a signalling payload), all-equal rows; widths
+of one block, of several, with a partial last block, and of several merge pieces (under the interpreter a block is 128
+entries in 32 groups of 4, and a merge piece 32 candidates); k in {1, 2, 8, 16} and k == V.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.common import DEVICE, gpu, needs_gpu
+from vendored.engine.ranking import _keys
+from vendored.ops.row_top_k import row_top_k
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+
+# Bit patterns, per dtype: +NaN, -NaN (sign bit set), +sNaN-like and -sNaN-like payloads, the smallest subnormals.
+_BITS = {
+    torch.float32: (torch.int32, [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x00000001, 0x80000001]),
+    torch.bfloat16: (torch.int16, [0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x0001, 0x8001]),
+    torch.float16: (torch.int16, [0x7E00, 0xFE00, 0x7C01, 0xFC01, 0x0001, 0x8001]),
+}
+
+
+def from_bits(dtype: torch.dtype) -> torch.Tensor:
+    """The values of _BITS[dtype] in dtype, built from their bits (a conversion could drop a NaN's sign bit)."""
+    int_dtype, patterns = _BITS[dtype]
+    width = torch.iinfo(int_dtype).bits
+    signed = [p - (1 << width) if p >= 1 << (width - 1) else p for p in patterns]
+    return torch.tensor(signed, dtype=int_dtype).view(dtype)
+
+
+def special_row(width: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A row of a few levels among which NaNs of both signs, ±inf, ±0.0 and ±subnormals recur, in random places."""
+    pool = torch.cat([from_bits(dtype),
+                      torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1.0, -1.0, 0.5], dtype=dtype)])
+    return pool[torch.randint(0, len(pool), (width,), generator=gen)]
+
+
+def make_rows(width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """(4, width): normal values; five levels (ties at every place); special values; one value repeated."""
+    gen = torch.Generator().manual_seed(seed)
+    normal = torch.randn(width, generator=gen).to(dtype)
+    levels = (torch.randint(-2, 3, (width,), generator=gen) * 0.25).to(dtype)
+    special = special_row(width, dtype, gen)
+    equal = torch.full((width,), -1.5, dtype=dtype)
+    return torch.stack([normal, levels, special, equal]).to(DEVICE)
+
+
+def assert_ranked(x: torch.Tensor, k: int) -> None:
+    got = row_top_k(x, k)
+    want = torch.topk(_keys(x), k, dim=-1).indices
+    assert got.dtype == torch.int64, f"indices.dtype: expected torch.int64, got {got.dtype}"
+    assert got.shape == want.shape, f"indices.shape: expected {tuple(want.shape)}, got {tuple(got.shape)}"
+    if not torch.equal(got, want):
+        row = int((got != want).any(dim=1).nonzero()[0, 0])
+        raise AssertionError(f"indices differ first in row {row}: kernel {got[row].tolist()}, "
+                             f"twin {want[row].tolist()}; row values {x[row, got[row]].tolist()} vs "
+                             f"{x[row, want[row]].tolist()}")
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 16])
+@pytest.mark.parametrize("width", [20, 128, 256, 300],
+                         ids=["V20-one-partial-block", "V128-one-block", "V256-two-blocks", "V300-partial-last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_matches_twin(dtype, width, k):
+    assert_ranked(make_rows(width, dtype, seed=width + k), k)
+
+
+def test_special_rows_have_what_they_claim():
+    # The special row must hold NaNs of both sign bits, -0.0 and both subnormals, or the tests above test less.
+    x = special_row(300, torch.float32, torch.Generator().manual_seed(0))
+    bits = x.view(torch.int32)
+    nan = torch.isnan(x)
+    assert bool((nan & (bits < 0)).any()) and bool((nan & (bits > 0)).any()), "no NaN of one of the signs"
+    assert bool((bits == -(1 << 31)).any()), "no -0.0"
+    assert bool((bits == 1).any()) and bool((bits == -(1 << 31) + 1).any()), "no subnormal of one of the signs"
+    for dtype in (torch.bfloat16, torch.float16):
+        b = from_bits(dtype).view(torch.int16)
+        assert int(b[1]) < 0 and torch.isnan(from_bits(dtype)[1]), f"{dtype}: -NaN lost its sign bit"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("width", [1, 16], ids=["V1", "V16"])
+def test_k_equal_to_width(dtype, width):
+    assert_ranked(make_rows(width, dtype, seed=width), width)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_ties_decided_at_the_cut(dtype):
+    # 16 equal maxima spread over 3 blocks, some side by side (in one group), the rest lower: the first 8 by index
+    # must win, in index order.
+    x = torch.zeros(3, 300, dtype=dtype)
+    places = torch.tensor([5, 40, 64, 70, 127, 128, 129, 130, 131, 150, 255, 256, 260, 280, 298, 299])
+    x[:, places] = 2.0
+    x[1, places[::3]] = float("nan")                                   # NaNs above the ties, still by index
+    x[2] = -x[2]                                                       # the maxima now 0.0 and -0.0
+    assert_ranked(x.to(DEVICE), 8)
+
+
+def test_strided_rows_and_one_row():
+    gen = torch.Generator().manual_seed(7)
+    base = (torch.randint(-3, 4, (300, 6), generator=gen) * 0.5).to(DEVICE)
+    assert_ranked(base.t()[1:4], 8)                                    # fp32 (3, 300), strides (1, 6)
+    assert_ranked(base.to(torch.bfloat16).t()[::5, :257], 16)          # bf16 (2, 257), strides (5, 6)
+    one_row = base.to(torch.float16)[:, 2].reshape(1, 300)             # fp16 (1, 300), strides (300, 6)
+    assert one_row.stride(1) == 6, one_row.stride()
+    assert_ranked(one_row, 2)
+
+
+def test_no_rows():
+    out = row_top_k(torch.zeros(0, 100, device=DEVICE), 4)
+    assert out.shape == (0, 4) and out.dtype == torch.int64, f"{tuple(out.shape)}, {out.dtype}"
+
+
+@pytest.mark.parametrize("x, k, error, message", [
+    (torch.zeros(10), 2, ValueError, r"x.dim\(\): expected 2 \(rows, V\), got 1"),
+    (torch.zeros(2, 3, 10), 2, ValueError, r"x.dim\(\): expected 2 \(rows, V\), got 3"),
+    (torch.zeros(2, 10, dtype=torch.float64), 2, TypeError, r"x.dtype: expected one of .*, got torch.float64"),
+    (torch.zeros(2, 10, dtype=torch.int32), 2, TypeError, r"x.dtype: expected one of .*, got torch.int32"),
+    (torch.zeros(2, 10), 0, ValueError, r"k: expected an int in \[1, min\(16, V=10\)\], got 0"),
+    (torch.zeros(2, 100), 17, ValueError, r"k: expected an int in \[1, min\(16, V=100\)\], got 17"),
+    (torch.zeros(2, 5), 6, ValueError, r"k: expected an int in \[1, min\(16, V=5\)\], got 6"),
+    (torch.zeros(2, 0), 1, ValueError, r"k: expected an int in \[1, min\(16, V=0\)\], got 1"),
+    (torch.zeros(2, 10), 2.0, ValueError, r"k: expected an int in .*, got 2.0"),
+    (torch.zeros(2, 10), True, ValueError, r"k: expected an int in .*, got True"),
+    (torch.zeros(1).expand(1, 1 << 24), 2, ValueError,
+     r"x.shape\[1\]: expected fewer than 2\^24 = 16777216 entries a row, got 16777216"),
+    (torch.zeros(2, 10, device="meta"), 2, ValueError, r"x.device: expected a CUDA device .*, got meta"),
+], ids=["1-D", "3-D", "float64", "int32", "k0", "k17", "k-above-V", "V0", "k-float", "k-bool", "V-2^24", "meta"])
+def test_rejects_bad_inputs(x, k, error, message):
+    if x.device.type != "meta":
+        x = x.to(DEVICE)
+    with pytest.raises(error, match=message):
+        row_top_k(x, k)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_vocabulary_rows(dtype, rows):
+    # The engine's decode shape: log-probabilities over a 128256-entry vocabulary, k = 8, and the same rows rounded
+    # to a few levels (ties at the cut), with NaNs and infinities sprinkled in.
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 128256, generator=gen).to(DEVICE, dtype)
+    assert_ranked(torch.log_softmax(logits, dim=-1), 8)
+    rounded = (logits.float() * 2).round().to(dtype)
+    rounded[:, ::1001] = float("nan")
+    rounded[:, 7::997] = float("inf")
+    assert_ranked(rounded, 8)
+    assert_ranked(rounded, 16)
