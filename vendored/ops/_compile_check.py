@@ -57,7 +57,8 @@ CAPPED_SPILL_BYTES = 32
 # Kernels whose products of 16-bit inputs must run on Hopper's wgmma (checked on the bf16 calls).
 TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel")
 OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
-              for name in ("causal_conv1d", "rms_norm_gated", "selective_state_update", "ssd_scan")]
+              for name in ("causal_conv1d", "rms_norm", "rms_norm_gated", "rotary", "selective_state_update",
+                           "silu_mul", "ssd_scan")]
 
 # Bamba-9B's mixer widths; a few tokens are enough, the compiled code does not depend on how many.
 H, P, N, G, W, Q = 128, 64, 128, 1, 4, 256
@@ -109,14 +110,24 @@ class LaunchCatcher:
 
 def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
     """Call every op in `dtype`, with all optional inputs and with none of them; `label` names each call first."""
-    from vendored.ops import (causal_conv1d, causal_conv1d_update, rms_norm_gated, selective_state_update,
-                              ssd_scan)
+    from vendored.ops import (add_rms_norm, causal_conv1d, causal_conv1d_update, rms_norm_gated, rotary_,
+                              selective_state_update, silu_mul, ssd_scan)
 
     def randn(*shape, dt=dtype):
         return torch.randn(*shape).to(dt)
 
     def index(*values):
         return torch.tensor(values, dtype=torch.int32)
+
+    # the decoder layer's own ops at Bamba-9B's widths: D 4096, MLP 14336, 32 q + 8 kv heads of 128, R 64
+    for delta in (True, False):
+        label(f"add_rms_norm, {'with' if delta else 'without'} a residual")
+        add_rms_norm(randn(3, 4096), randn(3, 4096) if delta else None, randn(4096), eps=1e-5)
+    label("silu_mul")
+    silu_mul(randn(3, 2 * 14336))
+    label("rotary_, q and k of a merged q/k/v")
+    angles = torch.randn(64, 64)
+    rotary_(randn(3, 48, 128), index(0, 5, 63), angles.cos(), angles.sin(), n_rot_heads=40)
 
     for group_size in (H * P, H * P // 8):
         for norm_before_gate in (False, True):
