@@ -13,8 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from vendored.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from vendored.ops.rms_norm import add_rms_norm
 from vendored.ops.rms_norm_gated import rms_norm_gated
+from vendored.ops.rotary import rotary_
 from vendored.ops.selective_state_update import selective_state_update
+from vendored.ops.silu_mul import silu_mul
 from vendored.ops.ssd_scan import ssd_scan
 
 from .cache import KVCache, StatePool
@@ -51,10 +54,36 @@ class StepBatch:
     static_decode: bool = False
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
+def _merge(w: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], merged: str) -> tuple[int, ...] | None:
+    """Put the weights (and biases) of projections that read the same input side by side in one, `prefix + merged`,
+    so that one GEMM reads them all (q/k/v; gate/up), and drop the parts. Returns the parts' output widths, or None
+    (nothing merged) when a part is missing or only some have a bias."""
+    weights = [w.get(prefix + part + ".weight") for part in parts]
+    biases = [w.get(prefix + part + ".bias") for part in parts]
+    if any(t is None for t in weights) or (any(b is None for b in biases) and any(b is not None for b in biases)):
+        return None
+    w[prefix + merged + ".weight"] = torch.cat(weights)
+    if biases[0] is not None:
+        w[prefix + merged + ".bias"] = torch.cat(biases)
+    for part in parts:
+        w.pop(prefix + part + ".weight")
+        w.pop(prefix + part + ".bias", None)
+    return tuple(t.shape[0] for t in weights)
+
+
+# Whether a model on a CPU runs the decoder layer's element-wise ops (add_rms_norm, rotary_, silu_mul) as the Triton
+# kernels, under the interpreter, instead of as torch expressions with the same rounding. A CUDA model always runs
+# the kernels. Off by default: interpreted, each launch costs ~10-30 ms, about 30% more time for every CPU engine test,
+# while the kernels have element-wise tests of their own on both backends; tests/engine/test_fused_ops.py turns it on
+# to check the engine's calls of them on the CPU.
+FUSED_OPS_ON_CPU = False
+
+
+def _norm_torch(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: fp32 statistics, the normalised row rounded to s's dtype before the weight multiplies it."""
+    h = s.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return weight * h.to(s.dtype)
 
 
 class BambaEngineModel:
@@ -64,6 +93,7 @@ class BambaEngineModel:
     def __init__(self, cfg: EngineModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  device: torch.device, max_positions: int, layers: range | None = None) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.fused = device.type == "cuda" or FUSED_OPS_ON_CPU
         self.layers = range(cfg.num_layers) if layers is None else layers
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
         for i in (i for i in cfg.mamba_layers if i in self.layers):
@@ -78,6 +108,18 @@ class BambaEngineModel:
         angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None]   # (L, R/2)
         self.cos = torch.cat([angles.cos()] * 2, -1).float().to(device)                        # (L, R)
         self.sin = torch.cat([angles.sin()] * 2, -1).float().to(device)
+        # q/k/v and gate/up each read by one GEMM: a decode step of a small batch is bound by its launches and
+        # weight reads, and one wider GEMM reads the same bytes in one launch (and its output holds q and k side by
+        # side for one rotary launch). The split widths are this instance's (a tensor-parallel rank's shards).
+        self.qkv_widths: dict[int, tuple[int, ...]] = {}
+        self.gate_up_merged: set[int] = set()
+        for i in self.layers:
+            if i in cfg.attn_layers:
+                widths = _merge(self.w, f"model.layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+                if widths is not None:
+                    self.qkv_widths[i] = widths
+            if _merge(self.w, f"model.layers.{i}.feed_forward.", ("gate_proj", "up_proj"), "gate_up_proj"):
+                self.gate_up_merged.add(i)
 
     def forward(self, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
         """Runs the step, updating states and K/V in place. Returns fp32 logits (len(logits_rows), V)."""
@@ -90,19 +132,19 @@ class BambaEngineModel:
     def run_layers(self, h: torch.Tensor, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
         """The residual stream h (T, D) through this instance's layers."""
         cfg = self.cfg
-        m_r = cfg.residual_multiplier
+        m_r, eps = cfg.residual_multiplier, cfg.rms_norm_eps
+        ffn = None                                       # the last sublayer's output, added with the next norm
         for i in self.layers:
             p = f"model.layers.{i}."
-            x = _rms_norm(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            h, x = self._add_norm(h, ffn, self.w[p + "input_layernorm.weight"], eps)
             mixed = self._attention(i, x, batch, kv) if i in cfg.attn_layers else self._mamba(i, x, batch, states)
-            h = h + (mixed * m_r if m_r != 1 else mixed)
-            x = _rms_norm(h, self.w[p + cfg.ffn_norm_suffix], cfg.rms_norm_eps)
+            h, x = self._add_norm(h, mixed * m_r if m_r != 1 else mixed, self.w[p + cfg.ffn_norm_suffix], eps)
             ffn = self._granite_ffn(i, x, batch) if cfg.granite else self._mlp(i, x)
-            h = h + (ffn * m_r if m_r != 1 else ffn)
-        return h
+            ffn = ffn * m_r if m_r != 1 else ffn
+        return h if ffn is None else h + ffn
 
     def logits(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        h = _rms_norm(h[batch.logits_rows], self.w[self.cfg.final_norm_key], self.cfg.rms_norm_eps)
+        h = self._add_norm(h[batch.logits_rows], None, self.w[self.cfg.final_norm_key], self.cfg.rms_norm_eps)[1]
         logits = F.linear(h, self.w["lm_head.weight"]).float()
         return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1 else logits
 
@@ -153,23 +195,54 @@ class BambaEngineModel:
         y = self._gated_norm(i, y.reshape(T, H * P), z.contiguous())
         return self._output_linear(y, p + "out_proj")
 
-    def _rope(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """NeoX rotate-half on the first R dims of each head (none: NoPE). t (T, heads, Dh)."""
+    def _rope(self, t: torch.Tensor, positions: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """NeoX rotate-half on the first R dims of the first `heads` heads (default all; none rotated under NoPE),
+        in place. t (T, heads, Dh)."""
         R = self.cfg.rotary_dim
         if R == 0:
             return t
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]               # (T, 1, R)
-        rot = t[..., :R].float()
+        if self.fused:
+            return rotary_(t, positions, self.cos, self.sin, n_rot_heads=heads)
+        part = t[:, :heads, :R]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]                # (T, 1, R)
+        rot = part.float()
         half = torch.cat([-rot[..., R // 2:], rot[..., : R // 2]], dim=-1)
-        return torch.cat([(rot * cos + half * sin).to(t.dtype), t[..., R:]], dim=-1)
+        part.copy_(rot * cos + half * sin)
+        return t
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, RMSNorm(h + delta) · weight); delta None: (h, RMSNorm(h) · weight)."""
+        if self.fused:
+            return add_rms_norm(h, delta, weight, eps=eps)
+        s = h if delta is None else h + delta
+        return s, _norm_torch(s, weight, eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up of a merged [gate | up] projection output."""
+        if self.fused:
+            return silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q (T, Hq, Dh) and k (T, Hkv, Dh) after RoPE, and v (T, Hkv, Dh): views of one GEMM's output when the
+        projections are merged (q and k rotated by one launch), else three."""
+        cfg, p = self.cfg, f"model.layers.{i}.self_attn."
+        Hq, Hkv, Dh = cfg.num_q_heads, cfg.num_kv_heads, cfg.attn_head_dim
+        if i in self.qkv_widths:
+            qkv = self._linear(x, p + "qkv_proj").reshape(x.shape[0], -1, Dh)               # (T, Hq+2Hkv, Dh)
+            self._rope(qkv, positions, Hq + Hkv)
+            return qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+        q = self._rope(self._linear(x, p + "q_proj").reshape(-1, Hq, Dh), positions)
+        k = self._rope(self._linear(x, p + "k_proj").reshape(-1, Hkv, Dh), positions)
+        return q, k, self._linear(x, p + "v_proj").reshape(-1, Hkv, Dh)
 
     def _attention(self, i: int, x: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         cfg, p = self.cfg, f"model.layers.{i}.self_attn."
         Hq, Hkv, Dh = cfg.num_q_heads, cfg.num_kv_heads, cfg.attn_head_dim
         scale = Dh ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
-        q = self._rope(self._linear(x, p + "q_proj").reshape(-1, Hq, Dh), batch.positions)   # (T, Hq, Dh)
-        k = self._rope(self._linear(x, p + "k_proj").reshape(-1, Hkv, Dh), batch.positions)  # (T, Hkv, Dh)
-        v = self._linear(x, p + "v_proj").reshape(-1, Hkv, Dh)
+        q, k, v = self._qkv(i, x, batch.positions)                                         # (T, H·, Dh) each
         k_cache, v_cache = kv.k[i].view(-1, Hkv, Dh), kv.v[i].view(-1, Hkv, Dh)            # (blocks·bs, Hkv, Dh)
         k_cache.index_copy_(0, batch.kv_slot_mapping, k)
         v_cache.index_copy_(0, batch.kv_slot_mapping, v)
@@ -203,6 +276,8 @@ class BambaEngineModel:
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.feed_forward."
+        if i in self.gate_up_merged:
+            return self._output_linear(self._silu_mul(self._linear(x, p + "gate_up_proj")), p + "down_proj")
         return self._output_linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"),
                                    p + "down_proj")
 
@@ -210,8 +285,8 @@ class BambaEngineModel:
         """GraniteMoeHybrid's feed-forward: the shared SwiGLU plus the routed experts, summed before the one
         output reduction a tensor-parallel rank does (each rank holds a slice of every expert's channels)."""
         p = f"model.layers.{i}."
-        gate, up = self._linear(x, p + "shared_mlp.input_linear").chunk(2, dim=-1)          # gate rows first
-        out = F.linear(F.silu(gate) * up, self.w[p + "shared_mlp.output_linear.weight"])
+        gate_up = self._linear(x, p + "shared_mlp.input_linear")                            # gate rows first
+        out = F.linear(self._silu_mul(gate_up), self.w[p + "shared_mlp.output_linear.weight"])
         if self.cfg.num_experts:
             out = out + self._experts(i, x, static=batch.static_decode)
         return self._reduce(out)
