@@ -2,9 +2,11 @@
 
 For each model, batch size and mode (graphs on / off) an engine is built with max_num_seqs = batch, `batch` prompts
 of PROMPT_TOKENS tokens are prefilled in one step, a few decode steps warm up, then `--steps` decode steps are timed:
-- engine tokens/s: whole engine steps (scheduling, the forward, log-softmax and greedy choice per row);
+- engine tokens/s: whole engine steps (scheduling, the forward, each row's log-softmax, top-k and greedy choice,
+  the results read back);
 - forward tokens/s: the decode forward alone as a step runs it (inputs written to the device, the model run; with
-  graphs, the padded buffers filled and the graph replayed), repeated on one step's pieces.
+  graphs, the padded buffers filled and a graph of the step without its ranking replayed), repeated on one step's
+  pieces. The ranking is engine work: it counts in the engine's time, not the forward's.
 Models: `tiny` (fixtures/tiny-bamba) and `bamba9b-2layer` (random weights, one mamba and one attention layer at
 Bamba-9B widths: D 4096, H 128 × P 64, N 128, G 1, Hq 32 / Hkv 8 × Dh 128, MLP 14336, V 128256).
 
@@ -162,7 +164,7 @@ def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: st
     assert len(pieces) == batch and all(p.is_decode for p in pieces), "the benchmark step is not all decodes"
     if graphs and engine.graphs.handles(pieces):
         def forward():
-            return engine.graphs.run(pieces)
+            return engine.graphs.forward_only(pieces)
     else:
         def forward():
             return engine.model.forward(engine._build_batch(pieces)[0], engine.states, engine.kv)

@@ -87,13 +87,14 @@ class DecodeBuffers:
 
 
 def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: int, states: StatePool,
-                       kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                       kv: KVCache, *, rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decode step over the first `size` rows of the buffers (padding rows included): the staged rows spread
     into the model's inputs (a row whose token is pending takes the previous step's from next_ids), the forward,
     and the ranking of every row (log-softmax, the GRAPH_TOP_K best with the tie rule of ranking.py); the greedy
     tokens left in next_ids. Returns fp32 logits (size, V) and ranked (size, 2·K) fp64: each row's K values then
     its K ids (fp64 holds both exactly), K = min(GRAPH_TOP_K, V). Every shape depends on `size` and the table width
-    only, and nothing reads a value back to the host."""
+    only, and nothing reads a value back to the host. rank=False: the step without its ranking (ranked None, next_ids
+    untouched), the forward as a decode step runs it, for bench/decode.py."""
     staged = buffers.staged[:size]
     source = staged[:, FROM_PREVIOUS]
     buffers.token_ids[:size].copy_(torch.where(source >= 0, buffers.next_ids[source.clamp(min=0)],
@@ -103,6 +104,8 @@ def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: in
         buffer[:size].copy_(staged[:, column])
     buffers.block_tables[:size].copy_(staged[:, STAGE_COLUMNS:])
     logits = model.forward(buffers.step_batch(size), states, kv)
+    if not rank:
+        return logits, None
     values, ids = top_k(torch.log_softmax(logits, dim=-1), min(GRAPH_TOP_K, logits.shape[-1]))
     buffers.next_ids[:size].copy_(ids[:, 0])
     return logits, torch.cat([values.double(), ids.double()], dim=1)
@@ -126,6 +129,7 @@ class DecodeGraphRunner:
         self.padding_rows = 0
         self.replays = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._forward_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         width = STAGE_COLUMNS + self.table_width
         pinned = self.device.type == "cuda"
         self._stage_host = [torch.zeros((self.sizes[-1], width), dtype=torch.long, pin_memory=pinned)
@@ -157,6 +161,29 @@ class DecodeGraphRunner:
         self.padding_rows += size - len(pieces)
         logits, ranked = self._launch(size)
         return logits[:len(pieces)], ranked[:len(pieces)]
+
+    def forward_only(self, pieces: Sequence[Piece]) -> torch.Tensor:
+        """The decode step of `pieces` without its ranking: inputs staged and spread, the forward; logits
+        (len(pieces), V). What bench/decode.py times as "the forward" beside whole engine steps. On CUDA captured
+        once per size (its own graph and memory pool: the step's graphs and their outputs are left alone), eager on a
+        CPU. States and K/V are updated as by run(); the engine's pending tokens are not."""
+        size = self.size_for(len(pieces))
+        self._stage(pieces, size)
+        if self.device.type != "cuda":
+            return padded_decode_step(self.model, self.buffers, size, self.states, self.kv, rank=False)[0][:len(pieces)]
+        if size not in self._forward_graphs:
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                padded_decode_step(self.model, self.buffers, size, self.states, self.kv, rank=False)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits, _ = padded_decode_step(self.model, self.buffers, size, self.states, self.kv, rank=False)
+            self._forward_graphs[size] = (graph, logits)
+        graph, logits = self._forward_graphs[size]
+        graph.replay()
+        return logits[:len(pieces)]
 
     def _stage(self, pieces: Sequence[Piece], size: int) -> None:
         """Write the step's rows, then padding up to `size`, into a host staging array (numpy: no tensor per row) and
