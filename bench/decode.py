@@ -27,6 +27,7 @@ On a CPU nothing is captured: "graphs on" is the same padded step run eagerly, s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import tempfile
@@ -145,44 +146,48 @@ def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: st
     engine = LLMEngine(checkpoint, dtype=dtype, device=device, max_num_seqs=batch,
                        max_num_batched_tokens=batch * PROMPT_TOKENS,
                        max_model_len=PROMPT_TOKENS + WARMUP_STEPS + 2 * steps + 2, cuda_graphs=graphs)
-    vocab = engine.cfg.vocab_size
-    for i in range(batch):
-        prompt = [(7 * i + 3 * t + 1) % vocab for t in range(PROMPT_TOKENS)]
-        engine.add_request(f"b{i}", prompt, max_new_tokens=WARMUP_STEPS + 2 * steps + 1, top_k=1)
-    for _ in range(1 + WARMUP_STEPS):                                  # the prefill step, then warm-up decodes
-        engine.step()
-    dev = engine.device
-    _sync(dev)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    _sync(dev)
-    engine_s = time.perf_counter() - start
+    try:
+        vocab = engine.cfg.vocab_size
+        for i in range(batch):
+            prompt = [(7 * i + 3 * t + 1) % vocab for t in range(PROMPT_TOKENS)]
+            engine.add_request(f"b{i}", prompt, max_new_tokens=WARMUP_STEPS + 2 * steps + 1, top_k=1)
+        for _ in range(1 + WARMUP_STEPS):                                  # the prefill step, then warm-up decodes
+            engine.step()
+        dev = engine.device
+        _sync(dev)
+        gc.collect()             # the earlier measurements' garbage is not this one's to collect
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(dev)
+        engine_s = time.perf_counter() - start
 
-    engine._settle()                                                   # the step run ahead read back: tokens on the host
-    pieces = engine.scheduler.schedule()                               # the next step's decodes, run repeatedly
-    assert len(pieces) == batch and all(p.is_decode for p in pieces), "the benchmark step is not all decodes"
-    if graphs and engine.graphs.handles(pieces):
-        def forward():
-            return engine.graphs.forward_only(pieces)
-    else:
-        def forward():
-            return engine.model.forward(engine._build_batch(pieces)[0], engine.states, engine.kv)
-    forward()
-    _sync(dev)
-    start = time.perf_counter()
-    for _ in range(steps):
+        engine._settle()                                          # the step run ahead read back: tokens on the host
+        pieces = engine.scheduler.schedule()                               # the next step's decodes, run repeatedly
+        assert len(pieces) == batch and all(p.is_decode for p in pieces), "the benchmark step is not all decodes"
+        if graphs and engine.graphs.handles(pieces):
+            def forward():
+                return engine.graphs.forward_only(pieces)
+        else:
+            def forward():
+                return engine.model.forward(engine._build_batch(pieces)[0], engine.states, engine.kv)
         forward()
-    _sync(dev)
-    forward_s = time.perf_counter() - start
-    row = dict(batch=batch, cuda_graphs=graphs, captured=bool(graphs and engine.graphs.replays),
-               steps=steps, engine_step_ms=1e3 * engine_s / steps, engine_tokens_per_s=batch * steps / engine_s,
-               forward_ms=1e3 * forward_s / steps, forward_tokens_per_s=batch * steps / forward_s)
-    if rate:
-        n_bytes = weight_bytes_per_step(checkpoint, engine.dtype, batch)
-        row.update(weight_bytes=n_bytes, bound_ms=1e3 * n_bytes / rate)
-        row["forward_of_bound"] = row["bound_ms"] / row["forward_ms"]
-    return row
+        _sync(dev)
+        start = time.perf_counter()
+        for _ in range(steps):
+            forward()
+        _sync(dev)
+        forward_s = time.perf_counter() - start
+        row = dict(batch=batch, cuda_graphs=graphs, captured=bool(graphs and engine.graphs.replays),
+                   steps=steps, engine_step_ms=1e3 * engine_s / steps, engine_tokens_per_s=batch * steps / engine_s,
+                   forward_ms=1e3 * forward_s / steps, forward_tokens_per_s=batch * steps / forward_s)
+        if rate:
+            n_bytes = weight_bytes_per_step(checkpoint, engine.dtype, batch)
+            row.update(weight_bytes=n_bytes, bound_ms=1e3 * n_bytes / rate)
+            row["forward_of_bound"] = row["bound_ms"] / row["forward_ms"]
+        return row
+    finally:
+        engine.close()             # frees its GPU memory now: the next measurement starts from the same state
 
 
 def measure_transformers(checkpoint: Path, *, batch: int, steps: int, dtype: str, device: str) -> dict:
