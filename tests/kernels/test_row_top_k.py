@@ -154,3 +154,15 @@ def test_vocabulary_rows(dtype, rows):
     rounded[:, 7::997] = float("inf")
     assert_ranked(rounded, 8)
     assert_ranked(rounded, 16)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_vocabulary_rows_of_special_values(dtype):
+    # The special values of the CPU tests (NaNs of either sign and payload, ±inf, ±0, ±subnormals) at the engine's
+    # width, compiled: a GPU conversion that quietened a NaN or flushed a subnormal would reorder them.
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.stack([special_row(128256, dtype, gen) for _ in range(3)]).to(DEVICE)
+    for k in (1, 8, 16):
+        assert_ranked(rows, k)
