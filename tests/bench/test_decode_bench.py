@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from bench import decode
 from vendored.engine import LLMEngine
 
@@ -27,3 +30,10 @@ def test_decode_bench_writes_rows_and_closes_its_engines(tmp_path, monkeypatch):
         assert row["steps"] == 2 and row["engine_tokens_per_s"] > 0 and row["forward_tokens_per_s"] > 0, row
     assert (tmp_path / "decode.md").exists()
     assert len(built) == 2 and all(engine._closed for engine in built), "a measurement left its engine open"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_decode_profile_needs_a_gpu_and_says_so(capsys):
+    from bench import decode_profile
+    assert decode_profile.main(["--batch-sizes", "1"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
