@@ -337,6 +337,30 @@ def gqa_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
     return out.reshape(t_q, n_q, head_dim)
 
 
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, *, block_size: int, scale: float) -> torch.Tensor:
+    """Decode attention over a paged K/V cache (twin of vendored.ops.decode_attention): one query per row.
+
+    q (B, Hq, Dh), the query at position n_b - 1 of row b's context of n_b = context_lens[b] keys; k_cache, v_cache
+    (num_blocks·block_size, Hkv, Dh); block_tables (B, M): key p of row b is at flat position
+    block_tables[b, p // block_size]·block_size + p % block_size. Each row gathers its n_b keys and values through
+    the first ceil(n_b / block_size) entries of its table (entries past the context are never looked at), and is
+    gqa_attention_ref of its query over them. n_b <= 0 is a padding row: zeros; n_b is taken as at most
+    M·block_size (the keys a table names), as the kernel takes it. Returns (B, Hq, Dh) in q's dtype (fp64 given
+    fp64).
+    """
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    width = block_tables.shape[1] * block_size
+    for b, n in enumerate(context_lens.tolist()):
+        n = min(max(n, 0), width)
+        if n == 0:
+            continue
+        positions = torch.arange(n, device=block_tables.device)
+        slots = block_tables[b, positions // block_size].long() * block_size + positions % block_size
+        out[b] = gqa_attention_ref(q[b:b + 1], k_cache[slots], v_cache[slots], scale=scale)[0]
+    return out
+
+
 def swiglu_ref(x: torch.Tensor, gate_w, up_w, down_w, gate_b=None, up_b=None, down_b=None) -> torch.Tensor:
     """Bamba's MLP: down(silu(gate(x)) · up(x)). x (T, D); gate_w, up_w (I, D); down_w (D, I)."""
     return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)

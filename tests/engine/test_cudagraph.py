@@ -19,6 +19,7 @@ from harness.runner import check_relative
 from harness.scenarios import build_scenarios
 from reference.ops import gqa_attention_ref
 from vendored.engine.cudagraph import DecodeGraphRunner, capture_sizes
+from vendored.engine import paged_attention
 from vendored.engine.paged_attention import paged_decode_attention
 
 from .conftest import TINY_CFG
@@ -81,11 +82,10 @@ def test_capture_sizes_reach_the_first_size_at_or_above_max_num_seqs(max_num_seq
     assert capture_sizes(max_num_seqs) == sizes
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
-def test_paged_decode_attention_matches_reference_and_ignores_unowned_blocks(device):
-    """Rows with contexts 1, 5, 16, 17 and 40 over shuffled blocks of a NaN-filled cache, a table of fixed width 4
-    (entries past a context name other rows' blocks), and a padding row (context 0): each live row equals the
-    oracle's attention of its last query over its keys, the padding row is zero, and no NaN gets through."""
+def paged_case():
+    """Rows with contexts 1, 5, 16, 17 and 40 over shuffled blocks of a NaN-filled fp64 cache (blocks of 8), a table
+    of fixed width 6 (entries past a context name other rows' blocks or free ones), and a padding row (context 0).
+    Returns the call's inputs, its block size and each row's keys and values."""
     gen = torch.Generator().manual_seed(0)
     bs, width, Hq, Hkv, Dh = 8, 6, 4, 2, 16
     lens = [1, 5, 16, 17, 40, 0]
@@ -103,14 +103,52 @@ def test_paged_decode_attention_matches_reference_and_ignores_unowned_blocks(dev
         keys.append(k)
         values.append(v)
     q = torch.randn(len(lens), Hq, Dh, generator=gen, dtype=torch.float64)
-    out = paged_decode_attention(q.to(device), k_cache.view(-1, Hkv, Dh).to(device), v_cache.view(-1, Hkv, Dh).to(device),
-                                 torch.tensor(tables, device=device), torch.tensor(lens, device=device),
-                                 block_size=bs, scale=Dh ** -0.5).cpu()
+    inputs = (q, k_cache.view(-1, Hkv, Dh), v_cache.view(-1, Hkv, Dh), torch.tensor(tables), torch.tensor(lens))
+    return inputs, bs, keys, values
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_paged_decode_attention_matches_reference_and_ignores_unowned_blocks(device):
+    """paged_case's rows, fp64 (the torch path): each live row equals the oracle's attention of its last query over
+    its keys, the padding row is zero, and no NaN gets through."""
+    (q, k_cache, v_cache, tables, lens), bs, keys, values = paged_case()
+    Hq, Dh = q.shape[1], q.shape[2]
+    out = paged_decode_attention(q.to(device), k_cache.to(device), v_cache.to(device), tables.to(device),
+                                 lens.to(device), block_size=bs, scale=Dh ** -0.5).cpu()
     assert not out.isnan().any()
-    for row, n in enumerate(lens):
+    for row, n in enumerate(lens.tolist()):
         expected = (gqa_attention_ref(q[row:row + 1], keys[row], values[row], scale=Dh ** -0.5)[0] if n
                     else torch.zeros(Hq, Dh, dtype=torch.float64))
         torch.testing.assert_close(out[row], expected, rtol=1e-12, atol=1e-12, msg=f"row {row}, context {n}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_paged_decode_attention_fused_runs_the_kernel(device, monkeypatch):
+    """fused=True (what a model running its fused ops passes): paged_case's rows in fp32 go to the decode_attention
+    kernel (counted), with q a strided view of a merged q/k/v output as the model passes it; each live row within
+    fp32's rounding of the oracle's attention, the padding row exactly zero, no NaN."""
+    calls = []
+    original = paged_attention.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "decode_attention", counted)
+    (q, k_cache, v_cache, tables, lens), bs, keys, values = paged_case()
+    Hq, Dh, Hkv = q.shape[1], q.shape[2], k_cache.shape[1]
+    qkv = torch.cat([q, torch.zeros(q.shape[0], 2 * Hkv, Dh, dtype=q.dtype)], dim=1)   # (B, Hq + 2Hkv, Dh)
+    q_view = qkv.float().to(device)[:, :Hq]
+    out = paged_decode_attention(q_view, k_cache.float().to(device), v_cache.float().to(device), tables.to(device),
+                                 lens.to(device), block_size=bs, scale=Dh ** -0.5, fused=True).cpu()
+    assert len(calls) == 1 and calls[0] is q_view, "the kernel was not called, or was given a copy of q"
+    assert not out.isnan().any()
+    for row, n in enumerate(lens.tolist()):
+        expected = (gqa_attention_ref(q[row:row + 1], keys[row], values[row], scale=Dh ** -0.5)[0] if n
+                    else torch.zeros(Hq, Dh, dtype=torch.float64))
+        torch.testing.assert_close(out[row].double(), expected, rtol=1e-5, atol=1e-5, msg=f"row {row}, context {n}")
+        if not n:
+            assert bool((out[row] == 0).all())
 
 
 # ---- the cudagraph workload against the oracle -----------------------------------------------------------------

@@ -71,11 +71,12 @@ def _merge(w: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], merg
     return tuple(t.shape[0] for t in weights)
 
 
-# Whether a model on a CPU runs the decoder layer's element-wise ops (add_rms_norm, rotary_, silu_mul) as the Triton
-# kernels, under the interpreter, instead of as torch expressions with the same rounding. A CUDA model always runs
-# the kernels. Off by default: interpreted, each launch costs ~10-30 ms, about 30% more time for every CPU engine test,
-# while the kernels have element-wise tests of their own on both backends; tests/engine/test_fused_ops.py turns it on
-# to check the engine's calls of them on the CPU.
+# Whether a model on a CPU runs the decoder layer's element-wise ops (add_rms_norm, rotary_, silu_mul) and the
+# CUDA-graph step's decode attention (decode_attention, through paged_decode_attention) as the Triton kernels, under
+# the interpreter, instead of as torch expressions (the element-wise ones with the same rounding). A CUDA model runs
+# the kernels always. Off by default: interpreted, each launch costs ~10-30 ms, about 30% more time for every CPU
+# engine test, while the kernels have element-wise tests of their own on both backends; tests/engine/test_fused_ops.py
+# turns it on to check the engine's calls of them on the CPU.
 FUSED_OPS_ON_CPU = False
 
 
@@ -248,7 +249,7 @@ class BambaEngineModel:
         v_cache.index_copy_(0, batch.kv_slot_mapping, v)
         if batch.static_decode:
             out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                         block_size=kv.block_size, scale=scale)              # (T, Hq, Dh)
+                                         block_size=kv.block_size, scale=scale, fused=self.fused)   # (T, Hq, Dh)
             return self._linear(out.reshape(-1, Hq * Dh), p + "o_proj")
 
         # Gather every sequence's context into a padded (n_seq, L, ...) view and attend with one masked call.

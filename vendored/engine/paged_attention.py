@@ -10,11 +10,16 @@ on the GPU").
 `paged_decode_attention` is decode attention with shapes fixed by the batch size and the block-table width only.
 
 The eager step attends over each sequence's context padded to the longest context of the step, so its shapes change
-from step to step. A CUDA graph replays fixed shapes: here every row attends over the full width of its block table
-(max_model_len keys, rounded up to whole blocks) and a mask keeps the keys past the row's context out. The work is
-proportional to max_model_len rather than to the context, the price of one graph for every context length.
+from step to step. A CUDA graph replays fixed shapes. When the model runs its fused ops (on CUDA always, on a CPU
+under vendored.engine.model.FUSED_OPS_ON_CPU) the call is the Triton op `vendored.ops.decode_attention`: one or two
+launches whose grid depends on the batch, the heads and the table width only, and whose programs read each row's
+keys through its block table up to its context only (programs for keys past it exit at once), so the keys read
+follow the contexts. Otherwise (a CPU model, fp64) it
+is the torch expression below: every row gathers the full width of its block table (max_model_len keys, rounded up
+to whole blocks) and a mask keeps the keys past the row's context out, work proportional to max_model_len rather
+than to the context, in some 15 launches (docs/decode-bench.md: of the ~70 small kernels of a decode step).
 
-Capture-safe: no host synchronisation, no data-dependent shape, the same allocations on every call.
+Capture-safe either way: no host synchronisation, no data-dependent shape, the same allocations on every call.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from vendored.ops.decode_attention import decode_attention
 
 # Backends the eager attention may use on a GPU, in order: memory-efficient (bf16, fp16, fp32), math (fp64 and
 # whatever the first does not take). Both give the same bits from run to run on the same inputs.
@@ -43,7 +50,8 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, *, block_size: int, scale: float) -> torch.Tensor:
+                           context_lens: torch.Tensor, *, block_size: int, scale: float,
+                           fused: bool = False) -> torch.Tensor:
     """One query per row, attending over that row's cached context (the query's own key included).
 
     q (B, Hq, Dh), the query at position context_lens[b]-1; k_cache, v_cache (num_blocks·block_size, Hkv, Dh), the
@@ -51,7 +59,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     name any block: they are masked); context_lens (B,) int, 0 for a padding row. Query head h reads kv head
     h // (Hq/Hkv). Whatever the cache holds past a row's context (stale values, NaN) never reaches the output, and a
     padding row outputs zeros. Returns (B, Hq, Dh) in q's dtype; scores and softmax in at least fp32.
+
+    fused: run the Triton op `decode_attention` (fp32/bf16/fp16; q as it comes, a strided view of the merged q/k/v
+    output, without a copy): scores, softmax and P·V in fp32, one rounding at the end, and table entries past a
+    context never read. Otherwise the torch code: scores and softmax in at least fp32, the probabilities rounded to
+    q's dtype before P·V.
     """
+    if fused:
+        return decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size=block_size, scale=scale)
     n_rows, n_q_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[1]
     width = block_tables.shape[1] * block_size                                          # L

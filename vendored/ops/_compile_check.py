@@ -57,8 +57,8 @@ CAPPED_SPILL_BYTES = 32
 # Kernels whose products of 16-bit inputs must run on Hopper's wgmma (checked on the bf16 calls).
 TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel")
 OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
-              for name in ("causal_conv1d", "rms_norm", "rms_norm_gated", "rotary", "selective_state_update",
-                           "silu_mul", "ssd_scan")]
+              for name in ("causal_conv1d", "decode_attention", "rms_norm", "rms_norm_gated", "rotary",
+                           "selective_state_update", "silu_mul", "ssd_scan")]
 
 # Bamba-9B's mixer widths; a few tokens are enough, the compiled code does not depend on how many.
 H, P, N, G, W, Q = 128, 64, 128, 1, 4, 256
@@ -112,6 +112,7 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
     """Call every op in `dtype`, with all optional inputs and with none of them; `label` names each call first."""
     from vendored.ops import (add_rms_norm, causal_conv1d, causal_conv1d_update, rms_norm_gated, rotary_,
                               selective_state_update, silu_mul, ssd_scan)
+    from vendored.ops.decode_attention import decode_attention
 
     def randn(*shape, dt=dtype):
         return torch.randn(*shape).to(dt)
@@ -128,6 +129,16 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
     label("rotary_, q and k of a merged q/k/v")
     angles = torch.randn(64, 64)
     rotary_(randn(3, 48, 128), index(0, 5, 63), angles.cos(), angles.sin(), n_rot_heads=40)
+    # the CUDA-graph step's decode attention: q the first 32 heads of a merged q/k/v, blocks of 16, a table of 256
+    # blocks (4096 keys). One row: 16 splits and the combine; 256 rows: one split, the output written directly.
+    for rows, tables in ((1, torch.zeros(1, 256, dtype=torch.long)), (256, torch.zeros(256, 256, dtype=torch.long)),
+                         (8, torch.zeros(8, 256, dtype=torch.int32))):
+        label(f"decode_attention, {rows} rows, {str(tables.dtype).removeprefix('torch.')} table")
+        decode_attention(randn(rows, 48, 128)[:, :32], randn(64 * 16, 8, 128), randn(64 * 16, 8, 128), tables,
+                         torch.zeros(rows, dtype=torch.long), block_size=16, scale=128 ** -0.5)
+    label("decode_attention, head dim 48 (padded to 64), 4 q heads a kv head of 2, blocks of 3")
+    decode_attention(randn(2, 8, 48), randn(30, 2, 48), randn(30, 2, 48), torch.zeros(2, 400, dtype=torch.long),
+                     index(5, 0), block_size=3, scale=0.1)
 
     for group_size in (H * P, H * P // 8):
         for norm_before_gate in (False, True):
