@@ -386,3 +386,12 @@ def moe_ref(x: torch.Tensor, router_w: torch.Tensor, experts_in: torch.Tensor, e
             gate, up = experts_in[e].chunk(2)
             out.index_add_(0, tokens, swiglu_ref(x[tokens], gate, up, experts_out[e]) * weights[tokens, slot, None])
     return out
+
+
+def log_softmax_norm_ref(x: torch.Tensor) -> torch.Tensor:
+    """Per row of x (n, V), fp64: the shift c (the largest non-NaN entry; 0 where that is ±inf or the row has no
+    non-NaN entry) and log Σ exp(x - c), NaN when the row holds a NaN. log_softmax(x)_j = (x_j - c) - log Σ."""
+    x = x.double()
+    top = torch.where(torch.isnan(x), float("-inf"), x).amax(dim=-1)
+    shift = torch.where(torch.isfinite(top), top, 0.0)
+    return torch.stack([shift, torch.exp(x - shift[:, None]).sum(dim=-1).log()], dim=-1)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from harness.engine import top_k_lower_index
 from tests.helpers import random_bamba_checkpoint
 from vendored.engine import LLMEngine
-from vendored.engine.ranking import SORT_WIDTH, top_k
+from vendored.engine.ranking import SORT_WIDTH, log_softmax_at, log_softmax_norm, ranked_log_softmax, top_k
 
 IMPLEMENTATIONS = {"vendored": top_k, "harness": top_k_lower_index}
 
@@ -67,6 +67,37 @@ def test_wide_rows_rank_signed_zeros_infinities_and_nans_as_a_stable_sort(dtype)
         assert ids.tolist() == torch.sort(rows.float(), dim=-1, descending=True, stable=True).indices[:, :k].tolist()
         assert values.dtype == dtype
         assert torch.equal(values.nan_to_num(), rows.gather(1, ids).nan_to_num())
+
+
+@pytest.mark.parametrize("width", [300, SORT_WIDTH + 500], ids=["torch-norm", "kernel-norm"])
+def test_logprobs_are_one_expression_whatever_the_path(width):
+    # Every logprob the engine returns is log_softmax_at(logit, its row's norm): the ranked values, the same row's
+    # entries through log_softmax_norm (a prompt target, a kept row), a subset of rows, and k above the kernel's 16
+    # give the same bits; the ranking is top_k's over the logits; the logprobs are log_softmax's to fp32 accuracy.
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(4, width, generator=gen) * 6
+    x[1, ::7] = x[1, 3]                                                # ties
+    values, ids, norm = ranked_log_softmax(x, 4)
+    assert torch.equal(ids, top_k(x, 4)[1])
+    assert torch.equal(norm, log_softmax_norm(x))
+    assert torch.equal(values, log_softmax_at(x.gather(-1, ids), norm))
+    assert torch.equal(log_softmax_norm(x[[3, 0]]), norm[[3, 0]])
+    wide_values, wide_ids, _ = ranked_log_softmax(x, 20)
+    assert torch.equal(wide_ids[:, :4], ids) and torch.equal(wide_values[:, :4], values)
+    rows = log_softmax_at(x, norm)
+    want = torch.log_softmax(x.double(), dim=-1)
+    assert float((rows.double() - want).abs().max()) <= 1e-5                 # a few fp32 ulps of |logits| ~ 20
+
+
+def test_logprob_norm_of_special_rows():
+    # NaN anywhere: NaN; +inf: +inf (its entry NaN, the others -inf); a row of -inf: -inf, every logprob NaN.
+    x = torch.zeros(3, 5)
+    x[0, 2], x[1, 4], x[2] = float("nan"), float("inf"), float("-inf")
+    norm = log_softmax_norm(x)
+    assert torch.isnan(norm[0, 1]) and norm[1, 1] == float("inf") and norm[2, 1] == float("-inf")
+    assert torch.equal(norm[:, 0], torch.zeros(3))
+    rows = log_softmax_at(x, norm)
+    assert torch.isnan(rows[1, 4]) and bool((rows[1, :4] == float("-inf")).all()) and bool(torch.isnan(rows[2]).all())
 
 
 def test_vendored_rejects_a_k_wider_than_the_row():

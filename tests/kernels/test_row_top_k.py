@@ -1,4 +1,6 @@
-"""row_top_k against its twin torch.topk(ranking._keys(x), k).indices: every index of every row, equal tensors.
+"""row_top_k against its twin torch.topk(ranking._keys(x), k).indices: every index of every row, equal tensors; the
+norm of row_top_k_and_norm against reference.ops.log_softmax_norm_ref (fp64): every row's shift exactly, its log-sum
+within what fp32 sums and exponentials allow, the special values (NaN, ±inf) as documented.
 
 Rows of normal values, of a handful of levels (ties everywhere, at the k-th place too), of special values (signed
 zeros, subnormals of both signs, ±inf, NaN with either sign bit and with a signalling payload), all-equal rows; widths
@@ -13,7 +15,8 @@ import torch
 
 from tests.kernels.common import DEVICE, gpu, needs_gpu
 from vendored.engine.ranking import _keys
-from vendored.ops.row_top_k import row_top_k
+from reference.ops import log_softmax_norm_ref
+from vendored.ops.row_top_k import row_top_k, row_top_k_and_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
@@ -139,6 +142,86 @@ def test_rejects_bad_inputs(x, k, error, message):
         row_top_k(x, k)
 
 
+# |log-sum - fp64| allowed: the sum of V terms <= 1 in fp32 over blocks and groups (relative error ~ (log2 V + a few)
+# fp32 eps: 1.3e-6 at V = 128K) and approximate exp and log on a GPU (a few ulps each), as an absolute error of the log.
+LOG_SUM_ATOL = 2e-6
+
+
+def assert_norm(x: torch.Tensor, k: int) -> None:
+    """row_top_k_and_norm(x, k): indices equal to row_top_k's (k > 0), none for k = 0; each row's shift equal to the
+    twin's; its log-sum within LOG_SUM_ATOL of the twin's, NaN and ±inf where the twin has them."""
+    indices, norm = row_top_k_and_norm(x, k)
+    assert indices.shape == (x.shape[0], k), f"indices.shape: {tuple(indices.shape)}"
+    if k:
+        assert torch.equal(indices, row_top_k(x, k)), "indices differ from row_top_k's"
+    assert norm.dtype == torch.float32 and norm.shape == (x.shape[0], 2), f"norm: {norm.dtype}, {tuple(norm.shape)}"
+    want = log_softmax_norm_ref(x.cpu())
+    got = norm.cpu().double()
+    assert torch.equal(got[:, 0], want[:, 0]), f"shift: kernel {got[:, 0].tolist()}, twin {want[:, 0].tolist()}"
+    same_special = (torch.isnan(got[:, 1]) == torch.isnan(want[:, 1])) & (
+        torch.isinf(got[:, 1]) == torch.isinf(want[:, 1]))
+    assert bool(same_special.all()), f"log-sum special values: kernel {got[:, 1].tolist()}, twin {want[:, 1].tolist()}"
+    finite = torch.isfinite(want[:, 1])
+    assert torch.equal(got[~finite, 1].nan_to_num(), want[~finite, 1].nan_to_num()), "an infinity of the wrong sign"
+    err = (got[finite, 1] - want[finite, 1]).abs()
+    assert err.numel() == 0 or float(err.max()) <= LOG_SUM_ATOL, (
+        f"log-sum: worst error {float(err.max()):.3g} > {LOG_SUM_ATOL} (row {int(finite.nonzero()[err.argmax(), 0])})")
+
+
+def norm_rows(width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows at the scale of logits; the rounded, special and all-equal rows of make_rows; one row of -inf but one
+    entry, one of -inf only, one with +inf and no NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(2, width, generator=gen) * 4 + 10).to(dtype)
+    lone = torch.full((width,), float("-inf"), dtype=dtype)
+    lone[width // 2] = -3.0
+    inf_row = logits[0].clone()
+    inf_row[width - 1] = float("inf")
+    return torch.cat([logits, make_rows(width, dtype, seed).cpu(),
+                      torch.stack([lone, torch.full_like(lone, float("-inf")), inf_row])]).to(DEVICE)
+
+
+# NumPy's warnings for log(0) (the -inf row) and inf - inf in the interpreter's evaluation of both sides of a where
+SPECIAL_VALUE_WARNINGS = [pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
+                          pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+
+
+@pytest.mark.parametrize("k", [0, 8])
+@pytest.mark.parametrize("width", [20, 300], ids=["V20-one-block", "V300-partial-last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@SPECIAL_VALUE_WARNINGS[0]
+@SPECIAL_VALUE_WARNINGS[1]
+def test_norm_matches_twin(dtype, width, k):
+    assert_norm(norm_rows(width, dtype, seed=width + k), k)
+
+
+@SPECIAL_VALUE_WARNINGS[0]
+@SPECIAL_VALUE_WARNINGS[1]
+def test_norm_merged_in_pieces():
+    # 4200 entries: 33 blocks under the interpreter, whose partial sums the merge reads in two pieces of 32.
+    assert_norm(norm_rows(4200, torch.float32, seed=1)[[0, 1, 4, 7, 8]], 0)
+
+
+def test_norm_of_strided_rows_and_no_rows():
+    gen = torch.Generator().manual_seed(3)
+    base = (torch.randn(300, 6, generator=gen) * 3).to(DEVICE)
+    assert_norm(base.t()[1:4], 4)                                      # fp32 (3, 300), strides (1, 6)
+    assert_norm(base.to(torch.bfloat16).t()[::5, :257], 0)             # bf16 (2, 257), strides (5, 6)
+    indices, norm = row_top_k_and_norm(torch.zeros(0, 100, device=DEVICE), 0)
+    assert indices.shape == (0, 0) and norm.shape == (0, 2), f"{tuple(indices.shape)}, {tuple(norm.shape)}"
+
+
+@pytest.mark.parametrize("x, k, error, message", [
+    (torch.zeros(2, 10), -1, ValueError, r"k: expected an int in \[0, min\(16, V=10\)\], got -1"),
+    (torch.zeros(2, 10), 17, ValueError, r"k: expected an int in \[0, min\(16, V=10\)\], got 17"),
+    (torch.zeros(2, 0), 0, ValueError, r"x.shape\[1\]: expected at least 1 entry a row for a norm, got 0"),
+    (torch.zeros(2, 10, dtype=torch.float64), 0, TypeError, r"x.dtype: expected one of .*, got torch.float64"),
+], ids=["k-negative", "k-above-V", "V0", "float64"])
+def test_norm_rejects_bad_inputs(x, k, error, message):
+    with pytest.raises(error, match=message):
+        row_top_k_and_norm(x.to(DEVICE), k)
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 256])
@@ -154,6 +237,8 @@ def test_vocabulary_rows(dtype, rows):
     rounded[:, 7::997] = float("inf")
     assert_ranked(rounded, 8)
     assert_ranked(rounded, 16)
+    assert_norm(logits * 4, 8)                                         # the spread of real logits
+    assert_norm(rounded, 0)
 
 
 @gpu
@@ -166,3 +251,4 @@ def test_vocabulary_rows_of_special_values(dtype):
     rows = torch.stack([special_row(128256, dtype, gen) for _ in range(3)]).to(DEVICE)
     for k in (1, 8, 16):
         assert_ranked(rows, k)
+    assert_norm(rows, 8)

@@ -30,7 +30,7 @@ import torch
 
 from .cache import KVCache, StatePool
 from .model import BambaEngineModel, StepBatch
-from .ranking import top_k
+from .ranking import ranked_log_softmax
 from .scheduler import PENDING, Piece
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -90,7 +90,7 @@ def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: in
                        kv: KVCache, *, rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decode step over the first `size` rows of the buffers (padding rows included): the staged rows spread
     into the model's inputs (a row whose token is pending takes the previous step's from next_ids), the forward,
-    and the ranking of every row (log-softmax, the GRAPH_TOP_K best with the tie rule of ranking.py); the greedy
+    and the ranking of every row (the GRAPH_TOP_K best and their logprobs: ranking.ranked_log_softmax); the greedy
     tokens left in next_ids. Returns fp32 logits (size, V) and ranked (size, 2·K) fp64: each row's K values then
     its K ids (fp64 holds both exactly), K = min(GRAPH_TOP_K, V). Every shape depends on `size` and the table width
     only, and nothing reads a value back to the host. rank=False: the step without its ranking (ranked None, next_ids
@@ -106,7 +106,7 @@ def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: in
     logits = model.forward(buffers.step_batch(size), states, kv)
     if not rank:
         return logits, None
-    values, ids = top_k(torch.log_softmax(logits, dim=-1), min(GRAPH_TOP_K, logits.shape[-1]))
+    values, ids, _ = ranked_log_softmax(logits, min(GRAPH_TOP_K, logits.shape[-1]))
     buffers.next_ids[:size].copy_(ids[:, 0])
     return logits, torch.cat([values.double(), ids.double()], dim=1)
 

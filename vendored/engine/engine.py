@@ -12,7 +12,7 @@ import torch
 from .cache import KVCache, StatePool
 from .cudagraph import DecodeGraphRunner
 from .model import BambaEngineModel, StepBatch
-from .ranking import top_k
+from .ranking import log_softmax_at, log_softmax_norm, ranked_log_softmax
 from .scheduler import PENDING, Piece, Scheduler, Sequence
 from .weights import load
 
@@ -265,7 +265,7 @@ class LLMEngine:
         seqs = [p.seq for p in pieces]
         k = max(max(1, seq.top_k) for seq in seqs)
         if k > ranked.shape[1] // 2:
-            values, ids = top_k(torch.log_softmax(logits, dim=-1), k)                   # (n, k) each
+            values, ids, _ = ranked_log_softmax(logits, k)                              # (n, k) each
             ranked = torch.cat([values.double(), ids.double()], dim=1)
         host, event = self._to_host(ranked)
         indices = []
@@ -360,9 +360,10 @@ class LLMEngine:
         return nxt == seq.num_tokens and len(seq.output_ids) < seq.max_new_tokens
 
     def _record(self, pieces: list[Piece], rows: list[tuple[int, int]], logits: torch.Tensor) -> None:
-        """What a step returns, for every piece at once: one log-softmax over the step's logit rows, one gather of
-        the prompt logprobs, one top-k over the rows that choose a next token (and the prompt rows of sequences that
-        asked for their top-k), and one transfer to the host of what the sequences keep (no per-row device reads).
+        """What a step returns, for every piece at once: the norms of the step's logit rows (where prompt logprobs
+        or kept rows need them), one gather of the prompt logprobs, one ranking of the rows that choose a next token
+        (and the prompt rows of sequences that asked for their top-k), and one transfer to the host of what the
+        sequences keep (no per-row device reads). Every logprob is ranking.log_softmax_at of its row's norm.
         rows[i] = (first logit row, count) of pieces[i]."""
         prompt_rows, prompt_targets, prompt_slots = [], [], []        # row, token it predicts, (seq, index)
         top_rows, top_owners, kept = [], [], []                       # row, (seq, prompt index or None: a choice)
@@ -390,20 +391,21 @@ class LLMEngine:
                     top_owners.append((seq, None))
         if not (prompt_rows or top_rows):
             return
-        logprobs = torch.log_softmax(logits, dim=-1)                                       # (rows, V)
-        device = logprobs.device
+        device = logits.device
+        # one norm per row (ranking.log_softmax_norm), the same bits whichever path computes it
+        kept_rows = torch.tensor([r for _, _, r in kept], dtype=torch.long, device=device) if kept else None
+        norm = log_softmax_norm(logits) if prompt_rows or kept else None                  # (rows, 2)
         parts = []
         if prompt_rows:
             index = torch.tensor(prompt_rows, dtype=torch.long, device=device)
             target = torch.tensor(prompt_targets, dtype=torch.long, device=device)
-            parts.append(logprobs[index, target].double())                                 # (n_prompt,)
+            parts.append(log_softmax_at(logits[index, target][:, None], norm[index])[:, 0].double())  # (n_prompt,)
         if top_rows:
             k = max(max(1, seq.top_k) for seq, _ in top_owners)
-            values, ids = top_k(logprobs[torch.tensor(top_rows, dtype=torch.long, device=device)], k)  # (n, k)
-            parts += [values.double().reshape(-1), ids.double().reshape(-1)]
+            values, ids, _ = ranked_log_softmax(logits[torch.tensor(top_rows, dtype=torch.long, device=device)], k)
+            parts += [values.double().reshape(-1), ids.double().reshape(-1)]               # (n, k) each
         host = torch.cat(parts).cpu()                                  # one transfer (fp64: ids and values exact)
-        kept_rows = (logprobs[torch.tensor([r for _, _, r in kept], dtype=torch.long, device=device)].cpu()
-                     if kept else None)
+        kept_rows = log_softmax_at(logits[kept_rows], norm[kept_rows]).cpu() if kept else None
         for (seq, pos), value in zip(prompt_slots, host[:len(prompt_rows)].tolist()):
             seq.prompt_logprobs[pos] = value
         if top_rows:

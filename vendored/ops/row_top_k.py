@@ -48,15 +48,22 @@ _NO_KEY = tl.constexpr(-(1 << 62))                # below every key (keys lie in
 
 
 @triton.jit
-def _order_keys(x_row, cols, mask, stride_x_v, BF16_BITS: tl.constexpr):
-    """int64 order keys of x_row's entries at `cols` (the key of `_keys`, module docstring); _NO_KEY where masked.
-    BF16_BITS: x_row points at bf16 values seen as int16, widened here by a shift (the interpreter's bf16 -> fp32
-    conversion turns subnormals into zeros; the shift is exact everywhere)."""
+def _load_bits(x_row, cols, mask, stride_x_v, BF16_BITS: tl.constexpr):
+    """The float32 bit patterns (int32) of x_row's entries at `cols` (0 where masked): fp16 converted to float32,
+    bf16's bits shifted up by 16 (BF16_BITS: x_row points at bf16 values seen as int16; the interpreter's bf16 ->
+    fp32 conversion turns subnormals into zeros, the shift is exact everywhere). Both exact."""
     raw = tl.load(x_row + cols.to(tl.int64) * stride_x_v, mask=mask, other=0)
     if BF16_BITS:
         bits = raw.to(tl.int32) << 16
     else:
         bits = raw.to(tl.float32).to(tl.int32, bitcast=True)              # fp16 -> fp32 is exact
+    return bits
+
+
+@triton.jit
+def _order_keys(bits, cols, mask):
+    """int64 order keys of entries whose float32 bits are `bits` at `cols` (the key of `_keys`, module docstring);
+    _NO_KEY where masked."""
     magnitude = bits & 0x7FFFFFFF
     bits = tl.where(magnitude == 0, 0, bits)                             # -0.0 ranks as +0.0
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -65,6 +72,22 @@ def _order_keys(x_row, cols, mask, stride_x_v, BF16_BITS: tl.constexpr):
     # fails under the interpreter)
     keys = ordered.to(tl.int64) * _KEY_SCALE + (cols ^ _INDEX_MASK).to(tl.int64)
     return tl.where(mask, keys, _NO_KEY)
+
+
+@triton.jit
+def _finite_or_zero(m):
+    """m where it is finite, else 0.0: the shift the exponentials are taken against (norm, module docstring)."""
+    return tl.where((m == m) & (tl.abs(m) < float("inf")), m, 0.0)
+
+
+@triton.jit
+def _block_norm(bits, mask):
+    """(m, s) of the entries `bits` (float32 bit patterns, 2-D) where `mask`: m the largest non-NaN value (-inf if
+    none), s = sum of exp(x - shift(m)); a NaN among them makes s NaN."""
+    x = bits.to(tl.float32, bitcast=True)
+    m = tl.max(tl.max(tl.where(mask & (x == x), x, float("-inf")), axis=1), axis=0)
+    s = tl.sum(tl.sum(tl.where(mask, tl.exp(x - _finite_or_zero(m)), 0.0), axis=1), axis=0)
+    return m, s
 
 
 @triton.jit
@@ -83,53 +106,88 @@ def _take_largest(keys, best, K: tl.constexpr, K_PAD: tl.constexpr):
 
 @triton.jit
 def _block_top_k_kernel(
-    x_ptr, dest_ptr, width,
-    stride_x_row, stride_x_v, stride_dest_row,
+    x_ptr, dest_ptr, norm_ptr, width,
+    stride_x_row, stride_x_v, stride_dest_row, stride_norm_row,
     K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, DECODE: tl.constexpr,
-    BF16_BITS: tl.constexpr,
+    NORM: tl.constexpr, BF16_BITS: tl.constexpr,
 ):
     """Row program_id(0), entries [program_id(1)·BLOCK, +BLOCK): the K largest keys, to dest[row, block·K + j]
     (the scratch), or, DECODE (one block spans the row), their indices to dest[row, j] (the output). The K largest
-    come from the K groups of GROUP entries with the largest maxima (module docstring)."""
+    come from the K groups of GROUP entries with the largest maxima (module docstring). NORM: also the block's
+    (m, s) to norm[row, 2·block + {0, 1}] (the scratch), or, DECODE, the row's (shift, log-sum) to norm[row, {0, 1}].
+    K = 0: the norm only."""
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     x_row = x_ptr + row * stride_x_row
-    no_keys = tl.full([K_PAD], _NO_KEY, tl.int64)
     in_group = tl.arange(0, GROUP)
     cols = block * BLOCK + tl.arange(0, BLOCK // GROUP)[:, None] * GROUP + in_group[None, :]   # (groups, GROUP)
-    group_max = tl.max(_order_keys(x_row, cols, cols < width, stride_x_v, BF16_BITS), axis=1)  # (groups,)
-    top_groups = _take_largest(group_max, no_keys, K, K_PAD)           # (K_PAD,) largest first, _NO_KEY padded
-    # the first entry of each chosen group, from its maximum's index; padding, and groups past the row's end (a
-    # block of fewer than K groups), are masked
-    first = ((top_groups & _INDEX_MASK) ^ _INDEX_MASK) // GROUP * GROUP
-    cols = first[:, None] + in_group[None, :]                          # (K_PAD, GROUP)
-    mask = (top_groups != _NO_KEY)[:, None] & (cols < width)
-    keys = _order_keys(x_row, cols, mask, stride_x_v, BF16_BITS)
-    taken = _take_largest(tl.reshape(keys, [K_PAD * GROUP]), no_keys, K, K_PAD)
-    slots = tl.arange(0, K_PAD)
-    dest = dest_ptr + row * stride_dest_row + block * K + slots
-    if DECODE:
-        tl.store(dest, (taken & _INDEX_MASK) ^ _INDEX_MASK, mask=slots < K)
-    else:
-        tl.store(dest, taken, mask=slots < K)
+    in_row = cols < width
+    bits = _load_bits(x_row, cols, in_row, stride_x_v, BF16_BITS)
+    if NORM:
+        m, s = _block_norm(bits, in_row)
+        norm = norm_ptr + row * stride_norm_row
+        if DECODE:
+            tl.store(norm, _finite_or_zero(m))
+            tl.store(norm + 1, tl.log(s))
+        else:
+            tl.store(norm + 2 * block, m)
+            tl.store(norm + 2 * block + 1, s)
+    if K > 0:
+        no_keys = tl.full([K_PAD], _NO_KEY, tl.int64)
+        group_max = tl.max(_order_keys(bits, cols, in_row), axis=1)                   # (groups,)
+        top_groups = _take_largest(group_max, no_keys, K, K_PAD)     # (K_PAD,) largest first, _NO_KEY padded
+        # the first entry of each chosen group, from its maximum's index; padding, and groups past the row's end
+        # (a block of fewer than K groups), are masked
+        first = ((top_groups & _INDEX_MASK) ^ _INDEX_MASK) // GROUP * GROUP
+        cols = first[:, None] + in_group[None, :]                                      # (K_PAD, GROUP)
+        mask = (top_groups != _NO_KEY)[:, None] & (cols < width)
+        keys = _order_keys(_load_bits(x_row, cols, mask, stride_x_v, BF16_BITS), cols, mask)
+        taken = _take_largest(tl.reshape(keys, [K_PAD * GROUP]), no_keys, K, K_PAD)
+        slots = tl.arange(0, K_PAD)
+        dest = dest_ptr + row * stride_dest_row + block * K + slots
+        if DECODE:
+            tl.store(dest, (taken & _INDEX_MASK) ^ _INDEX_MASK, mask=slots < K)
+        else:
+            tl.store(dest, taken, mask=slots < K)
 
 
 @triton.jit
 def _merge_top_k_kernel(
-    cand_ptr, out_ptr, n_cand,
-    stride_cand_row, stride_out_row,
-    K: tl.constexpr, K_PAD: tl.constexpr, PIECE: tl.constexpr,
+    cand_ptr, out_ptr, part_ptr, norm_ptr, n_cand, n_blocks,
+    stride_cand_row, stride_out_row, stride_part_row, stride_norm_row,
+    K: tl.constexpr, K_PAD: tl.constexpr, PIECE: tl.constexpr, NORM: tl.constexpr, NORM_PIECE: tl.constexpr,
 ):
-    """Row program_id(0): the K largest of its n_cand candidate keys, PIECE at a time, decoded to indices."""
+    """Row program_id(0): the K largest of its n_cand candidate keys, PIECE at a time, decoded to indices; NORM:
+    the row's (shift, log-sum) from its n_blocks partial (m, s), NORM_PIECE at a time (module docstring)."""
     row = tl.program_id(0).to(tl.int64)
-    cand_row = cand_ptr + row * stride_cand_row
-    best = tl.full([K_PAD], _NO_KEY, tl.int64)
-    for start in range(0, n_cand, PIECE):
-        offs = start + tl.arange(0, PIECE)
-        keys = tl.load(cand_row + offs, mask=offs < n_cand, other=_NO_KEY)
-        best = _take_largest(keys, best, K, K_PAD)
-    slots = tl.arange(0, K_PAD)
-    tl.store(out_ptr + row * stride_out_row + slots, (best & _INDEX_MASK) ^ _INDEX_MASK, mask=slots < K)
+    if K > 0:
+        cand_row = cand_ptr + row * stride_cand_row
+        best = tl.full([K_PAD], _NO_KEY, tl.int64)
+        for start in range(0, n_cand, PIECE):
+            offs = start + tl.arange(0, PIECE)
+            keys = tl.load(cand_row + offs, mask=offs < n_cand, other=_NO_KEY)
+            best = _take_largest(keys, best, K, K_PAD)
+        slots = tl.arange(0, K_PAD)
+        tl.store(out_ptr + row * stride_out_row + slots, (best & _INDEX_MASK) ^ _INDEX_MASK, mask=slots < K)
+    if NORM:
+        part_row = part_ptr + row * stride_part_row
+        top = tl.full([NORM_PIECE], float("-inf"), tl.float32)
+        for start in range(0, n_blocks, NORM_PIECE):
+            offs = start + tl.arange(0, NORM_PIECE)
+            top = tl.maximum(top, tl.load(part_row + 2 * offs, mask=offs < n_blocks, other=float("-inf")))
+        shift = _finite_or_zero(tl.max(top, axis=0))
+        total = tl.zeros([NORM_PIECE], tl.float32)
+        for start in range(0, n_blocks, NORM_PIECE):
+            offs = start + tl.arange(0, NORM_PIECE)
+            m = tl.load(part_row + 2 * offs, mask=offs < n_blocks, other=float("-inf"))
+            s = tl.load(part_row + 2 * offs + 1, mask=offs < n_blocks, other=0.0)
+            # a block of no non-NaN value (m = -inf) adds its s (0, or NaN) times 0; the others their s rescaled
+            # from their own shift to the row's (m <= the row's largest: the factor is at most 1, unless that is
+            # +inf, where the sum is +inf anyway)
+            total += s * tl.where(m == float("-inf"), 0.0, tl.exp(_finite_or_zero(m) - shift))
+        norm = norm_ptr + row * stride_norm_row
+        tl.store(norm, shift)
+        tl.store(norm + 1, tl.log(tl.sum(total, axis=0)))
 
 
 class TopKLaunch(NamedTuple):
@@ -167,45 +225,75 @@ def row_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
     x: float32, bfloat16 or float16, any strides, V < 2^24, on a CUDA device (or the CPU under TRITON_INTERPRET=1);
     0 < k <= min(16, V). Never synchronises with the host, so it can be captured in a CUDA graph.
     """
+    _check(x, k, low=1)
+    return _launch(x, k, norm=False)[0]
+
+
+def row_top_k_and_norm(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_top_k's indices (rows, k) (none for k = 0) and, from the same read of each row, its log-softmax norm
+    (rows, 2) float32: column 0 the shift c (the row's largest non-NaN value, 0.0 where that is ±inf or there is
+    none), column 1 log Σ exp(x - c) over the row. log_softmax(x)_j = (x_j - c) - log Σ, the engine's logprobs
+    (vendored.engine.ranking). A NaN in the row makes the log-sum NaN; +inf makes it +inf; a row of -inf has -inf.
+
+    x as row_top_k's; 0 <= k <= min(16, V), V >= 1.
+    """
+    _check(x, k, low=0)
+    if x.shape[1] == 0:
+        raise ValueError("x.shape[1]: expected at least 1 entry a row for a norm, got 0")
+    indices, norm = _launch(x, k, norm=True)
+    return indices, norm
+
+
+def _check(x: torch.Tensor, k: int, *, low: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x.dim(): expected 2 (rows, V), got {x.dim()}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"x.dtype: expected one of {[str(d) for d in _FLOAT_DTYPES]}, got {x.dtype}")
-    rows, width = x.shape
+    width = x.shape[1]
     if width >= 1 << INDEX_BITS:
         raise ValueError(f"x.shape[1]: expected fewer than 2^{INDEX_BITS} = {1 << INDEX_BITS} entries a row, "
                          f"got {width}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= min(MAX_K, width):
-        raise ValueError(f"k: expected an int in [1, min({MAX_K}, V={width})], got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= min(MAX_K, width):
+        raise ValueError(f"k: expected an int in [{low}, min({MAX_K}, V={width})], got {k!r}")
     if x.device.type != "cuda" and not (x.device.type == "cpu" and knobs.runtime.interpret):
         raise ValueError(f"x.device: expected a CUDA device (or the CPU with TRITON_INTERPRET=1), got {x.device}")
 
+
+def _launch(x: torch.Tensor, k: int, *, norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Indices (rows, k) and, if `norm`, the norm (rows, 2) float32 of checked inputs: one launch where one block
+    spans the row, else the blocks' launch and the merge."""
+    rows, width = x.shape
     out = torch.empty((rows, k), dtype=torch.int64, device=x.device)
+    norms = torch.empty((rows, 2), dtype=torch.float32, device=x.device) if norm else None
     if rows == 0:
-        return out
+        return out, norms
     launch = _block_sizes(width, x.device)
     n_blocks = cdiv(width, launch.block)
-    k_pad = next_power_of_2(k)
+    k_pad = next_power_of_2(max(k, 1))
     bf16_bits = x.dtype == torch.bfloat16
     source = x.view(torch.int16) if bf16_bits else x                   # same strides, the bits of each entry
+    norm_out = norms if norm else out                                  # (an unused pointer when not norm)
     if n_blocks == 1:
         _block_top_k_kernel[(rows, 1)](
-            source, out, width, x.stride(0), x.stride(1), out.stride(0),
-            K=k, K_PAD=k_pad, BLOCK=launch.block, GROUP=launch.group, DECODE=True, BF16_BITS=bf16_bits,
+            source, out, norm_out, width, x.stride(0), x.stride(1), out.stride(0), norm_out.stride(0),
+            K=k, K_PAD=k_pad, BLOCK=launch.block, GROUP=launch.group, DECODE=True, NORM=norm, BF16_BITS=bf16_bits,
             num_warps=launch.block_warps,
         )
-        return out
+        return out, norms
     scratch = torch.empty((rows, n_blocks * k), dtype=torch.int64, device=x.device)   # (rows, blocks·k)
+    parts = torch.empty((rows, 2 * n_blocks), dtype=torch.float32, device=x.device) if norm else scratch
     _block_top_k_kernel[(rows, n_blocks)](
-        source, scratch, width, x.stride(0), x.stride(1), scratch.stride(0),
-        K=k, K_PAD=k_pad, BLOCK=launch.block, GROUP=launch.group, DECODE=False, BF16_BITS=bf16_bits,
+        source, scratch, parts, width, x.stride(0), x.stride(1), scratch.stride(0), parts.stride(0),
+        K=k, K_PAD=k_pad, BLOCK=launch.block, GROUP=launch.group, DECODE=False, NORM=norm, BF16_BITS=bf16_bits,
         num_warps=launch.block_warps,
     )
     n_cand = n_blocks * k
     _merge_top_k_kernel[(rows,)](
-        scratch, out, n_cand, scratch.stride(0), out.stride(0),
-        K=k, K_PAD=k_pad, PIECE=min(next_power_of_2(n_cand), launch.piece), num_warps=launch.merge_warps,
+        scratch, out, parts, norm_out, n_cand, n_blocks,
+        scratch.stride(0), out.stride(0), parts.stride(0), norm_out.stride(0),
+        K=k, K_PAD=k_pad, PIECE=min(next_power_of_2(max(n_cand, 1)), launch.piece), NORM=norm,
+        NORM_PIECE=min(next_power_of_2(n_blocks), launch.piece), num_warps=launch.merge_warps,
     )
-    return out
+    return out, norms
