@@ -133,16 +133,25 @@ class Scheduler:
         not preempted after it was planned (were it admitted again in the same step, only its new piece would count)."""
         left = self.budget
         planned: list[tuple[Piece, int]] = []                      # (piece, its sequence's preemptions when planned)
+        prefilling: list[Sequence] = []                            # running, not decoding: the second pass's
+        capacity = self.kv.block_size
         for seq in list(self.running):
             if left == 0:
                 break
-            if seq.slot is not None and seq.is_decoding and self._grow_blocks(seq, 1):
+            if seq.slot is None:
+                continue                                            # preempted by an earlier sequence's growth
+            if not seq.is_decoding:
+                prefilling.append(seq)
+            elif (seq.num_computed < len(seq.blocks) * capacity      # room for one more token: no growth needed
+                  or self._grow_blocks(seq, 1)):
                 planned.append((Piece(seq, seq.num_computed, 1, True), seq.preemptions))
                 left -= 1
-        for seq in list(self.running):
+        # A sequence is decoding or not for the whole of this step (only preemption changes it, and that also takes
+        # its slot), so the prefill pass goes over the others only, in running order.
+        for seq in prefilling:
             if left == 0:
                 break
-            if seq.slot is None or seq.is_decoding:
+            if seq.slot is None:
                 continue
             n = min(left, seq.num_tokens - seq.num_computed, self.piece_cap)
             if n > 0 and self._grow_blocks(seq, n):
