@@ -129,7 +129,7 @@ class DecodeGraphRunner:
         self.padding_rows = 0
         self.replays = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._forward_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._forward_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, None]]] = {}
         width = STAGE_COLUMNS + self.table_width
         pinned = self.device.type == "cuda"
         self._stage_host = [torch.zeros((self.sizes[-1], width), dtype=torch.long, pin_memory=pinned)
@@ -166,22 +166,15 @@ class DecodeGraphRunner:
         """The decode step of `pieces` without its ranking: inputs staged and spread, the forward; logits
         (len(pieces), V). What bench/decode.py times as "the forward" beside whole engine steps. On CUDA captured
         once per size (its own graph and memory pool: the step's graphs and their outputs are left alone), eager on a
-        CPU. States and K/V are updated as by run(); the engine's pending tokens are not."""
+        CPU. States and K/V are updated as by run() (the first call of a size runs its rows twice more, capturing;
+        a benchmark's concern only); the engine's pending tokens are not."""
         size = self.size_for(len(pieces))
         self._stage(pieces, size)
         if self.device.type != "cuda":
             return padded_decode_step(self.model, self.buffers, size, self.states, self.kv, rank=False)[0][:len(pieces)]
         if size not in self._forward_graphs:
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                padded_decode_step(self.model, self.buffers, size, self.states, self.kv, rank=False)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits, _ = padded_decode_step(self.model, self.buffers, size, self.states, self.kv, rank=False)
-            self._forward_graphs[size] = (graph, logits)
-        graph, logits = self._forward_graphs[size]
+            self._forward_graphs[size] = self._captured(size, rank=False)
+        graph, (logits, _) = self._forward_graphs[size]
         graph.replay()
         return logits[:len(pieces)]
 
@@ -238,14 +231,20 @@ class DecodeGraphRunner:
         staged[:, STAGE_COLUMNS:] = self.kv.pad_block
         pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.sizes, reverse=True):
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    padded_decode_step(self.model, self.buffers, size, self.states, self.kv)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = padded_decode_step(self.model, self.buffers, size, self.states, self.kv)
-            self._graphs[size] = (graph, outputs)
+            self._graphs[size] = self._captured(size, rank=True, pool=pool)
         torch.cuda.synchronize(self.device)
+
+    def _captured(self, size: int, *, rank: bool, pool=None) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        """The padded step of `size` rows (rank: with its ranking) captured in a CUDA graph, with its outputs. Run
+        twice on a side stream first (Triton compiles its kernels for the shapes, cuBLAS sets up its workspace)
+        from the buffers as they are staged; `pool`: a memory pool shared with other graphs (None: its own)."""
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                padded_decode_step(self.model, self.buffers, size, self.states, self.kv, rank=rank)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = padded_decode_step(self.model, self.buffers, size, self.states, self.kv, rank=rank)
+        return graph, outputs
