@@ -393,7 +393,7 @@ class LLMEngine:
             return
         device = logits.device
         # one norm per row (ranking.log_softmax_norm), the same bits whichever path computes it
-        kept_rows = torch.tensor([r for _, _, r in kept], dtype=torch.long, device=device) if kept else None
+        kept_index = torch.tensor([r for _, _, r in kept], dtype=torch.long, device=device) if kept else None
         norm = log_softmax_norm(logits) if prompt_rows or kept else None                  # (rows, 2)
         parts = []
         if prompt_rows:
@@ -405,7 +405,7 @@ class LLMEngine:
             values, ids, _ = ranked_log_softmax(logits[torch.tensor(top_rows, dtype=torch.long, device=device)], k)
             parts += [values.double().reshape(-1), ids.double().reshape(-1)]               # (n, k) each
         host = torch.cat(parts).cpu()                                  # one transfer (fp64: ids and values exact)
-        kept_rows = log_softmax_at(logits[kept_rows], norm[kept_rows]).cpu() if kept else None
+        kept_rows = log_softmax_at(logits[kept_index], norm[kept_index]).cpu() if kept else None
         for (seq, pos), value in zip(prompt_slots, host[:len(prompt_rows)].tolist()):
             seq.prompt_logprobs[pos] = value
         if top_rows:
