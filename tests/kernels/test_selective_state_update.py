@@ -163,6 +163,38 @@ def test_strided_views_of_one_projection():
     assert_slots_untouched("ssm_states", pool_before, pool_kernel, touched=live)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_out_takes_the_returned_y_rounded_once(out_dtype):
+    # y written into a strided view of a wider 16-bit buffer (the mixer's (T, H, P) output, decode rows first) holds
+    # the bits of the returned fp32 y rounded by .to(): the same pool update, one rounding, nothing else written.
+    inputs = {n: t.to(DEVICE) for n, t in make_inputs(len(LIVE_AND_PAD), n_groups=2, seed=11).items()}
+    slots = torch.tensor(LIVE_AND_PAD, dtype=torch.int32, device=DEVICE)
+    args = [inputs[n] for n in ("x", "dt", "A", "B", "C")]
+    common = dict(D=inputs["D"], dt_bias=inputs["dt_bias"], z=inputs["z"], state_indices=slots, pad_slot_id=PAD)
+    pool_plain, pool_out = inputs["pool"].clone(), inputs["pool"].clone()
+    y = selective_state_update(pool_plain, *args, **common)
+    buffer = torch.full((len(LIVE_AND_PAD) + 3, H, P + 5), 7.0, dtype=out_dtype, device=DEVICE)
+    view = buffer[:len(LIVE_AND_PAD), :, 2:2 + P]
+    assert not view.is_contiguous()
+    returned = selective_state_update(pool_out, *args, **common, out=view)
+    assert returned.data_ptr() == view.data_ptr()
+    assert torch.equal(view, y.to(out_dtype))
+    assert torch.equal(pool_out, pool_plain)
+    outside = torch.ones_like(buffer, dtype=torch.bool)
+    outside[:len(LIVE_AND_PAD), :, 2:2 + P] = False
+    assert (buffer[outside] == 7.0).all()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (torch.zeros(3, H, P + 1), "out.shape: expected (3, 4, 16), got (3, 4, 17)"),
+    (torch.zeros(3, H, P, dtype=torch.int32), "out: expected dtype in"),
+], ids=["shape", "int_dtype"])
+def test_rejects_bad_out(bad, message):
+    with pytest.raises((ValueError, TypeError)) as info:
+        selective_state_update(**_valid_args(), out=bad.to(DEVICE))
+    assert message in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Input checks
 # ---------------------------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ the cache eviction policy of the state's load and store ("" or "evict_first": re
         y *= z / (1.0 + tl.exp(-z))
     y = tl.where(live[:, None], y, tl.where(real & ~in_pool, float("nan"), 0.0)[:, None])
     tl.store(y_ptr + b[:, None] * stride_y_b + h[:, None] * stride_y_h + offs_p[None, :] * stride_y_p,
-             y.to(y_ptr.dtype.element_ty), mask=mask_y)
+             round_to(y, y_ptr.dtype.element_ty, ROUND_BY_BITS), mask=mask_y)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,13 +178,16 @@ def selective_state_update(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of the recurrence for a batch of sequences (same equations as ssd_scan).
 
     ssm_states (S, H, P, N) fp32/bf16/fp16, updated in place; x (B, H, P); dt (B, H); A (H,); B, C (B, G, N) with
     G dividing H; D (H,) or None; dt_bias (H,) or None; z (B, H, P) or None; state_indices (B,) int, distinct among
     live rows; rows with state_indices == pad_slot_id are padding: not read, not written, output zero. Any strides.
-    Returns y (B, H, P) in x's dtype promoted with the pool's. No device-to-host copy (capturable in a CUDA graph),
+    Returns y (B, H, P) in x's dtype promoted with the pool's, or written into `out` (B, H, P), any float dtype and
+    strides, rounded to nearest even once from the fp32 result (as `.to(out.dtype)` of the returned y would round
+    it) and returned. No device-to-host copy (capturable in a CUDA graph),
     so slot values are not checked on the host: a row whose slot is outside the pool (and not the pad slot) reads
     and writes no slot and outputs NaN.
     """
@@ -219,8 +222,14 @@ def selective_state_update(
     if not dt_min <= dt_max:
         raise ValueError(f"dt_limit: expected (low, high) with low <= high, got {dt_limit}")
 
-    y = torch.empty((n_rows, n_heads, head_dim), dtype=torch.promote_types(x.dtype, ssm_states.dtype),
-                    device=x.device)
+    if out is None:
+        y = torch.empty((n_rows, n_heads, head_dim), dtype=torch.promote_types(x.dtype, ssm_states.dtype),
+                        device=x.device)
+    else:
+        _expect("out.shape", "", (n_rows, n_heads, head_dim), tuple(out.shape))
+        _expect("out.device", "the device of x,", x.device, out.device)
+        _expect_float("out", out)
+        y = out
     if n_rows == 0:
         return y
     launch = _block_sizes(n_heads, head_dim, d_state, ssm_states.dtype, x.device)
