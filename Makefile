@@ -57,9 +57,10 @@ test-all: $(STAMP)
 	$(PYTEST_CPU) -m "not gpu" tests
 
 # On the GPU image: the gpu-marked tests plus everything else that runs on CUDA when it is present, GPU_XDIST
-# processes sharing the one GPU (-n 4 took 3.6 min where one process took over 8). Tests that need a large share of
-# its memory carry pytest.mark.xdist_group, so --dist loadgroup runs each such group on one worker, never side by side.
-GPU_XDIST ?= 4
+# processes sharing the one GPU (on an H200 from cold: 8 workers 97 s, 4 workers 110-141 s; one process took over
+# 8 min). Each worker returns its cached GPU memory after every test; the tests that need more than a worker's
+# share carry pytest.mark.xdist_group("large-gpu-memory"), so --dist loadgroup runs them one at a time (conftest.py).
+GPU_XDIST ?= 8
 test-gpu:
 	$(GPU_PY) -m pytest -p no:cacheprovider -n $(GPU_XDIST) --dist loadgroup --durations=20 \
 		-m "gpu and not slow and not scale" tests

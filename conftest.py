@@ -6,7 +6,9 @@ for it instead.
 """
 
 import os
+import warnings
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -20,3 +22,36 @@ torch.set_num_threads(int(os.environ.get("BAMBA_TORCH_THREADS", _threads)))
 
 # `--engine NAME` and the (engine, scenario) parametrization of harness tests (harness/pytest_plugin.py).
 pytest_plugins = ["harness.pytest_plugin"]
+
+
+# make test-gpu runs several xdist workers on one GPU. Each worker's caching allocator keeps the memory of the
+# largest test it ran, so idle workers came to hold most of the device (8 workers on an H200: 11-26 GB each, and two
+# tests ran out of memory). After every test a worker returns what it caches to the device. Tests whose peak exceeds
+# a worker's fair share (device memory / workers) carry xdist_group(LARGE_GPU_MEMORY), which --dist loadgroup runs
+# one at a time on one worker; a test that needed that much without the mark gets a warning naming it.
+LARGE_GPU_MEMORY = "large-gpu-memory"
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_returned(request):
+    if _cuda_in_use():
+        torch.cuda.reset_peak_memory_stats()
+    yield
+    if _cuda_in_use():
+        _return_gpu_memory(request)
+
+
+def _return_gpu_memory(request) -> None:
+    peak = torch.cuda.max_memory_reserved()
+    torch.cuda.empty_cache()
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = torch.cuda.get_device_properties(0).total_memory / max(workers, 1)
+    grouped = any(m.args[:1] == (LARGE_GPU_MEMORY,) for m in request.node.iter_markers("xdist_group"))
+    if workers > 1 and peak > share and not grouped:
+        warnings.warn(f"{request.node.nodeid} reserved {peak / 2**30:.1f} GiB of GPU memory, more than one of "
+                      f"{workers} workers' share ({share / 2**30:.1f} GiB): mark it "
+                      f"pytest.mark.xdist_group({LARGE_GPU_MEMORY!r})", stacklevel=1)

@@ -19,8 +19,9 @@ from harness.scenarios import PromptSource, build_scenarios
 from mutants.scale import DEFAULT_SCENARIOS
 from reference.config import ModelConfig
 
-# The 2-layer slice's fp64 oracle alone takes 16 GB: under make test-gpu's workers these tests share one worker.
-pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("real-width"),
+# The 2-layer slice's fp64 oracle alone takes 16 GB: under make test-gpu's workers these tests run on the one worker
+# of the large-memory group (conftest.py), one at a time.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("large-gpu-memory"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="real-width models need a CUDA device")]
 
 

@@ -352,6 +352,7 @@ def test_bamba_9b_shapes(dtype, state_dtype, n_tokens):
 
 @gpu
 @needs_gpu
+@pytest.mark.xdist_group("large-gpu-memory")                           # ~30 GB (conftest.py)
 def test_long_input_offsets_past_int32():
     """72,000 tokens with x, z, B, C, dt as views of one bf16 buffer whose rows are 32,768 wide: token offsets reach
     72,000·32,768 > 2^31, so any pointer offset computed in int32 lands elsewhere. Against the chunked torch twin."""
