@@ -89,6 +89,24 @@ def test_logprobs_are_one_expression_whatever_the_path(width):
     assert float((rows.double() - want).abs().max()) <= 1e-5                 # a few fp32 ulps of |logits| ~ 20
 
 
+@pytest.mark.parametrize("width", [300, SORT_WIDTH + 500], ids=["torch-norm", "kernel-norm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [4, 20])
+def test_16bit_logits_rank_as_their_fp32_copy(width, dtype, k):
+    # The CUDA-graph step ranks the head's 16-bit output directly (model.forward raw_logits): indices, logprobs and
+    # norms must be the bits of ranking its fp32 copy (what every other step ranks), ties and specials included.
+    gen = torch.Generator().manual_seed(width + k)
+    x = (torch.randn(5, width, generator=gen) * 6).to(dtype)
+    x[1, ::7] = x[1, 3]                                                # ties
+    x[2, 5], x[2, 9], x[3, 11] = float("inf"), float("-inf"), -0.0
+    x[4, :] = float("-inf")
+    x[4, 17] = 2.0
+    got, want = ranked_log_softmax(x, k), ranked_log_softmax(x.float(), k)
+    for name, a, b in zip(("values", "indices", "norm"), got, want):     # exact, a NaN where the other has one
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    torch.testing.assert_close(log_softmax_norm(x), log_softmax_norm(x.float()), rtol=0, atol=0, equal_nan=True)
+
+
 def test_logprob_norm_of_special_rows():
     # NaN anywhere: NaN; +inf: +inf (its entry NaN, the others -inf); a row of -inf: -inf, every logprob NaN.
     x = torch.zeros(3, 5)

@@ -2,9 +2,10 @@
 
 A step whose pieces are all decodes (one token per running sequence) goes through `DecodeGraphRunner`:
 1. its B rows (token ids, positions, state slots, fixed-width block tables, context lengths, K/V write positions)
-   are staged on the host and sent in one asynchronous copy; the step spreads them into the model's inputs on the
-   device, where a token the previous step chose and the host has not read back yet is taken from that step's
-   greedy tokens (the engine runs one decode step ahead of its results, engine.py);
+   are staged on the host, laid out so that each input is one contiguous run the model reads where it lies, and
+   sent in one asynchronous copy; on the device the token ids are one gather, each row's from where the host
+   points it: its staged token, or, for a token the previous step chose and the host has not read back yet, that
+   step's greedy token (the engine runs one decode step ahead of its results, engine.py);
 2. the batch is padded up to the next captured size: a padding row feeds token 0 at position 0, names the pad
    state slot (the mamba kernels skip it) and the pad K/V block (its key is written there and nothing reads it), and
    has context length 0 (its attention output is zero);
@@ -34,9 +35,12 @@ from .ranking import ranked_log_softmax
 from .scheduler import PENDING, Piece
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# Columns of a staged row (DecodeGraphRunner._stage): the graph inputs of one row, then the row of the step in flight
-# whose greedy token it feeds (-1: its token is known on the host), then its block table.
-TOKEN, POSITION, SLOT, CONTEXT, KV_SLOT, FROM_PREVIOUS = range(6)
+# The staged inputs of a step of b rows (DecodeGraphRunner._stage): one int64 vector holding, each as a run of b
+# values, the inputs of every row (token, position, state slot, context length, K/V write position), then where its
+# token is read (TOKEN_SOURCE, an index into DecodeBuffers.tokens: its own TOKEN entry when the host knows the
+# token, else the row of the step in flight whose greedy token it feeds), then the rows' block tables (b × M,
+# row-major). Each is a contiguous view the graph of size b reads in place (no copies on the device).
+TOKEN, POSITION, SLOT, CONTEXT, KV_SLOT, TOKEN_SOURCE = range(6)
 STAGE_COLUMNS = 6
 # The step ranks its rows inside the graph: this many best tokens of each (a step asking for more ranks its logits
 # again outside the graph, engine.py).
@@ -50,60 +54,65 @@ def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return sizes + tuple(s for s in CAPTURE_SIZES if s >= max_num_seqs)[:1]
 
 
-class DecodeBuffers:
-    """The graph's memory, allocated once for the largest size; a step of size b uses the first b rows.
+def stage_length(size: int, table_width: int) -> int:
+    """Values staged for a step of `size` rows with block tables of `table_width` blocks."""
+    return size * (STAGE_COLUMNS + table_width)
 
-    staged (Bmax, STAGE_COLUMNS + M) int64: what the host sends for each row (columns TOKEN ... FROM_PREVIOUS,
-    then the block table of M = blocks of max_model_len). The step spreads it into the model's inputs: token_ids,
-    positions, context_lens, kv_slot_mapping (Bmax,) int64; slots (Bmax,) int32; block_tables (Bmax, M) int64.
-    rows (Bmax + 1,) = 0..Bmax (logits rows and query starts). next_ids (Bmax,) int64: each row's greedy token, left
-    by the step for the next one (a row of the next step whose FROM_PREVIOUS is r feeds next_ids[r]).
+
+def stage_views(staged, size: int, table_width: int):
+    """The inputs of a step of `size` rows in a staging vector (numpy or torch, laid out as above): a
+    (STAGE_COLUMNS, size) view, row c holding input c of every row, and the (size, table_width) block tables."""
+    head = STAGE_COLUMNS * size
+    return (staged[:head].reshape(STAGE_COLUMNS, size),
+            staged[head:stage_length(size, table_width)].reshape(size, table_width))
+
+
+class DecodeBuffers:
+    """The graph's memory, allocated once for the largest size; a step of size b uses the first
+    stage_length(b, M) values of `staged`, laid out for b rows (stage_views).
+
+    tokens (Bmax + Bmax · (STAGE_COLUMNS + M),) int64, one buffer so that one gather finds every row's token: first
+    next_ids (Bmax,), each row's greedy token, left by the step for the next one, then staged, what the host sends
+    (M = blocks of max_model_len); the model reads positions, slots, context lengths, K/V write positions and
+    block tables where they lie. A row's TOKEN_SOURCE indexes `tokens`: r < Bmax feeds next_ids[r]; its own TOKEN
+    entry feeds the staged token. rows (Bmax + 1,) = 0..Bmax (logits rows and query starts).
     """
 
     def __init__(self, max_rows: int, table_width: int, device: torch.device) -> None:
         i64 = dict(dtype=torch.long, device=device)
-        self.staged = torch.zeros(max_rows, STAGE_COLUMNS + table_width, **i64)
-        self.next_ids = torch.zeros(max_rows, **i64)
-        self.token_ids = torch.zeros(max_rows, **i64)
-        self.positions = torch.zeros(max_rows, **i64)
-        self.context_lens = torch.zeros(max_rows, **i64)
-        self.kv_slot_mapping = torch.zeros(max_rows, **i64)
-        self.slots = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_rows, table_width, **i64)
+        self.table_width = table_width
+        self.tokens = torch.zeros(max_rows + stage_length(max_rows, table_width), **i64)
+        self.next_ids, self.staged = self.tokens[:max_rows], self.tokens[max_rows:]
         self.rows = torch.arange(max_rows + 1, **i64)
         self.no_prefill_i32 = torch.zeros(0, dtype=torch.int32, device=device)
         self.no_prefill_bool = torch.zeros(0, dtype=torch.bool, device=device)
         self.prefill_cu_seqlens = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def step_batch(self, size: int) -> StepBatch:
-        """Views of the first `size` rows as a StepBatch of decodes."""
+    def step_batch(self, size: int, token_ids: torch.Tensor) -> StepBatch:
+        """The staged inputs of a step of `size` rows as a StepBatch of decodes feeding `token_ids` (size,)."""
+        columns, tables = stage_views(self.staged, size, self.table_width)
         return StepBatch(
-            token_ids=self.token_ids[:size], positions=self.positions[:size], num_decodes=size,
-            decode_slots=self.slots[:size], prefill_cu_seqlens=self.prefill_cu_seqlens,
-            prefill_slots=self.no_prefill_i32, prefill_has_initial_state=self.no_prefill_bool,
-            query_start=self.rows[:size + 1], context_lens=self.context_lens[:size],
-            block_tables=self.block_tables[:size], kv_slot_mapping=self.kv_slot_mapping[:size],
+            token_ids=token_ids, positions=columns[POSITION], num_decodes=size, decode_slots=columns[SLOT],
+            prefill_cu_seqlens=self.prefill_cu_seqlens, prefill_slots=self.no_prefill_i32,
+            prefill_has_initial_state=self.no_prefill_bool, query_start=self.rows[:size + 1],
+            context_lens=columns[CONTEXT], block_tables=tables, kv_slot_mapping=columns[KV_SLOT],
             logits_rows=self.rows[:size], static_decode=True)
 
 
 def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: int, states: StatePool,
                        kv: KVCache, *, rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decode step over the first `size` rows of the buffers (padding rows included): the staged rows spread
-    into the model's inputs (a row whose token is pending takes the previous step's from next_ids), the forward,
+    """The decode step of `size` rows staged in the buffers (padding rows included): the token ids formed (a row
+    whose token is pending takes the previous step's from next_ids), the forward on the staged inputs in place,
     and the ranking of every row (the GRAPH_TOP_K best and their logprobs: ranking.ranked_log_softmax); the greedy
-    tokens left in next_ids. Returns fp32 logits (size, V) and ranked (size, 2·K) fp64: each row's K values then
+    tokens left in next_ids. Returns logits (size, V) (model.forward's with raw_logits: the head's output in the
+    model's dtype, which the fp32 logits would hold exactly, when the model does not scale its logits; ranked from
+    them, as from their fp32 copy, to the same bits) and ranked (size, 2·K) fp64: each row's K values then
     its K ids (fp64 holds both exactly), K = min(GRAPH_TOP_K, V). Every shape depends on `size` and the table width
     only, and nothing reads a value back to the host. rank=False: the step without its ranking (ranked None, next_ids
     untouched), the forward as a decode step runs it, for bench/decode.py."""
-    staged = buffers.staged[:size]
-    source = staged[:, FROM_PREVIOUS]
-    buffers.token_ids[:size].copy_(torch.where(source >= 0, buffers.next_ids[source.clamp(min=0)],
-                                               staged[:, TOKEN]))
-    for buffer, column in ((buffers.positions, POSITION), (buffers.slots, SLOT), (buffers.context_lens, CONTEXT),
-                           (buffers.kv_slot_mapping, KV_SLOT)):
-        buffer[:size].copy_(staged[:, column])
-    buffers.block_tables[:size].copy_(staged[:, STAGE_COLUMNS:])
-    logits = model.forward(buffers.step_batch(size), states, kv)
+    columns = stage_views(buffers.staged, size, buffers.table_width)[0]
+    token_ids = buffers.tokens[columns[TOKEN_SOURCE]]
+    logits = model.forward(buffers.step_batch(size, token_ids), states, kv, raw_logits=True)
     if not rank:
         return logits, None
     values, ids, _ = ranked_log_softmax(logits, min(GRAPH_TOP_K, logits.shape[-1]))
@@ -130,17 +139,15 @@ class DecodeGraphRunner:
         self.replays = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._forward_graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, None]]] = {}
-        width = STAGE_COLUMNS + self.table_width
         pinned = self.device.type == "cuda"
-        self._stage_host = [torch.zeros((self.sizes[-1], width), dtype=torch.long, pin_memory=pinned)
-                            for _ in range(2)]
+        self._stage_host = [torch.zeros(stage_length(self.sizes[-1], self.table_width), dtype=torch.long,
+                                        pin_memory=pinned) for _ in range(2)]
         self._stage_np = [t.numpy() for t in self._stage_host]
         self._staged: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._stage_pads = np.zeros(STAGE_COLUMNS, dtype=np.int64)          # a padding row's staged values
         self._stage_pads[SLOT] = states.pad_slot
         self._stage_pads[KV_SLOT] = kv.pad_block * kv.block_size
-        self._stage_pads[FROM_PREVIOUS] = -1
         if self.device.type == "cuda":
             self._capture()
 
@@ -182,21 +189,21 @@ class DecodeGraphRunner:
         """Write the step's rows, then padding up to `size`, into a host staging array (numpy: no tensor per row) and
         send it to buffers.staged in one copy: asynchronous from pinned memory on a GPU, two staging arrays used in
         turn so that one is written while the other's copy may still wait in the stream."""
-        bs, pad_block, n = self.kv.block_size, self.kv.pad_block, len(pieces)
+        bs, n = self.kv.block_size, len(pieces)
         turn = self._turn
         self._turn ^= 1
         if self._staged[turn] is not None:
             self._staged[turn].synchronize()                   # its last copy has left this staging array
-        stage = self._stage_np[turn][:size]                    # (size, STAGE_COLUMNS + M)
-        positions = np.fromiter((p.start for p in pieces), dtype=np.int64, count=n)
-        tokens = np.fromiter((p.seq.token_at(p.start) for p in pieces), dtype=np.int64, count=n)
-        stage[:, :STAGE_COLUMNS] = self._stage_pads
-        stage[:n, TOKEN] = tokens
-        stage[:n, POSITION] = positions
-        stage[:n, SLOT] = np.fromiter((p.seq.slot for p in pieces), dtype=np.int64, count=n)
-        stage[:n, CONTEXT] = positions + 1
-        tables = stage[:, STAGE_COLUMNS:]                                                  # (size, M)
-        tables[:] = pad_block
+        inputs, tables = self._padding_stage(self._stage_np[turn], size)      # (STAGE_COLUMNS, size), (size, M)
+        # One pass over the pieces for (position, token, slot) (seq.token_at inline).
+        given = np.array([(p.start, p.seq.prompt[p.start] if p.start < len(p.seq.prompt)
+                           else p.seq.output_ids[p.start - len(p.seq.prompt)], p.seq.slot) for p in pieces],
+                         dtype=np.int64).reshape(n, 3)
+        positions, tokens = given[:, 0], given[:, 1]
+        inputs[POSITION, :n] = positions
+        inputs[TOKEN, :n] = tokens
+        inputs[SLOT, :n] = given[:, 2]
+        inputs[CONTEXT, :n] = positions + 1
         if self.kv.enabled:
             lengths = np.fromiter((len(p.seq.blocks) for p in pieces), dtype=np.int64, count=n)
             flat = np.fromiter(chain.from_iterable(p.seq.blocks for p in pieces), dtype=np.int64,
@@ -204,15 +211,25 @@ class DecodeGraphRunner:
             rows = np.repeat(np.arange(n), lengths)
             columns = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             tables[rows, columns] = flat
-            stage[:n, KV_SLOT] = tables[np.arange(n), positions // bs] * bs + positions % bs
+            inputs[KV_SLOT, :n] = tables[np.arange(n), positions // bs] * bs + positions % bs
         waiting = np.flatnonzero(tokens == PENDING)
         if waiting.size:
-            stage[waiting, TOKEN] = 0
-            stage[waiting, FROM_PREVIOUS] = [pieces[i].seq.pending_row for i in waiting]
-        self.buffers.staged[:size].copy_(self._stage_host[turn][:size], non_blocking=True)
+            inputs[TOKEN, waiting] = 0
+            inputs[TOKEN_SOURCE, waiting] = [pieces[i].seq.pending_row for i in waiting]
+        length = stage_length(size, self.table_width)
+        self.buffers.staged[:length].copy_(self._stage_host[turn][:length], non_blocking=True)
         if self.device.type == "cuda":
             self._staged[turn] = torch.cuda.Event()
             self._staged[turn].record()
+
+    def _padding_stage(self, stage: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Lay out `size` padding rows in the staging vector `stage`; returns its views (stage_views)."""
+        columns, tables = stage_views(stage, size, self.table_width)
+        columns[:] = self._stage_pads[:, None]
+        # each row's own TOKEN entry, as an index into buffers.tokens (staged starts after next_ids)
+        columns[TOKEN_SOURCE] = self.sizes[-1] + TOKEN * size + np.arange(size)
+        tables[:] = self.kv.pad_block
+        return columns, tables
 
     def _launch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if size in self._graphs:
@@ -226,11 +243,11 @@ class DecodeGraphRunner:
         """Capture every size once, largest first, into one shared memory pool. Each is run twice on a side stream
         first (Triton compiles its kernels for the shapes, cuBLAS sets up its workspace), with every row padding so
         that no live state is touched."""
-        staged = self.buffers.staged
-        staged[:, :STAGE_COLUMNS] = torch.from_numpy(self._stage_pads).to(self.device)
-        staged[:, STAGE_COLUMNS:] = self.kv.pad_block
         pool = torch.cuda.graph_pool_handle()
+        padding = np.zeros(stage_length(self.sizes[-1], self.table_width), dtype=np.int64)
         for size in sorted(self.sizes, reverse=True):
+            self._padding_stage(padding, size)
+            self.buffers.staged.copy_(torch.from_numpy(padding).to(self.device))
             self._graphs[size] = self._captured(size, rank=True, pool=pool)
         torch.cuda.synchronize(self.device)
 

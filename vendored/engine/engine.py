@@ -21,13 +21,14 @@ from .weights import load
 class _Ahead:
     """A decode step queued on the device and not yet read back: row i is seqs[i], whose output id at indices[i] is
     PENDING; host (n, 2k) (with its event, on a GPU) receives the k best values then their k ids of each row;
-    finished: the sequences it completed."""
+    finished: the sequences it completed; wanted: the most of the k any of them reads (at least 1)."""
 
     seqs: list[Sequence]
     indices: list[int]
     host: torch.Tensor
     event: "torch.cuda.Event | None"
     finished: list[Sequence]
+    wanted: int
 
 
 class EngineError(RuntimeError):
@@ -236,6 +237,7 @@ class LLMEngine:
         done = self._settle()
         if self.graphs is not None and self.graphs.handles(pieces):
             logits, _ = self.graphs.run(pieces)                   # one row per decode, every one wanted
+            logits = logits.float()                               # the raw logits in fp32, as the eager step's
             rows = [(i, 1) for i in range(len(pieces))]
         else:
             batch, rows = self._build_batch(pieces)
@@ -263,22 +265,24 @@ class LLMEngine:
         Nothing here waits for the device."""
         logits, ranked = self.graphs.run(pieces)
         seqs = [p.seq for p in pieces]
-        k = max(max(1, seq.top_k) for seq in seqs)
+        k = max(max(seq.top_k for seq in seqs), 1)
         if k > ranked.shape[1] // 2:
             values, ids, _ = ranked_log_softmax(logits, k)                              # (n, k) each
             ranked = torch.cat([values.double(), ids.double()], dim=1)
         host, event = self._to_host(ranked)
-        indices = []
+        indices, finished = [], []
         for row, seq in enumerate(seqs):
-            indices.append(len(seq.output_ids))
-            seq.output_ids.append(PENDING)
+            outputs = seq.output_ids
+            indices.append(len(outputs))
+            outputs.append(PENDING)
             seq.pending_row = row
             seq.num_computed += 1
-        finished = [seq for seq in seqs if seq.finished]
+            if len(outputs) >= seq.max_new_tokens:                  # seq.finished: a decode's prompt is computed
+                finished.append(seq)
         for seq in finished:
             self.total_preemptions += seq.preemptions
             self.scheduler.finish(seq)
-        return _Ahead(seqs, indices, host, event, finished)
+        return _Ahead(seqs, indices, host, event, finished, k)
 
     def _to_host(self, ranked: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         """ranked (n, 2k) on the host: on a GPU copied asynchronously into one of two pinned buffers (used in turn:
@@ -302,13 +306,14 @@ class LLMEngine:
         return the outputs of those it finished."""
         if ahead.event is not None:
             ahead.event.synchronize()
-        k = ahead.host.shape[1] // 2
-        values = ahead.host[:, :k].tolist()
-        ids = ahead.host[:, k:].long().tolist()
+        k, wanted = ahead.host.shape[1] // 2, ahead.wanted         # the columns any sequence reads
+        values = ahead.host[:, :wanted].tolist()
+        ids = ahead.host[:, k:k + wanted].long().tolist()
         for seq, index, vals, row_ids in zip(ahead.seqs, ahead.indices, values, ids):
             seq.output_ids[index] = row_ids[0]                     # greedy; ties go to the lowest index (ranking.py)
             seq.output_logprobs.append(vals[0])
-            seq.output_top.append(list(zip(row_ids[:seq.top_k], vals[:seq.top_k])))
+            top_k = seq.top_k
+            seq.output_top.append(list(zip(row_ids[:top_k], vals[:top_k])))
             if index == len(seq.output_ids) - 1:                   # not already run ahead again
                 seq.pending_row = None
         done = []

@@ -35,8 +35,9 @@ class StepBatch:
     prefill tokens; prefill_slots, prefill_has_initial_state (n_prefill,); query_start (n_seq+1,) offsets of each
     sequence's tokens in the step; context_lens (n_seq,) tokens in cache after the step; block_tables (n_seq, M);
     kv_slot_mapping (T,) flat K/V position (block·block_size + offset) of each new token; logits_rows: the rows whose
-    logits are wanted. static_decode: every row is a decode (padding rows included) and attention runs over the full
-    block-table width, so that no shape depends on the contexts (the CUDA-graph step, vendored/engine/cudagraph.py).
+    logits are wanted. static_decode: every row is a decode (padding rows included), every row's logits are wanted
+    (logits_rows is all of them) and attention runs over the full block-table width, so that no shape depends on
+    the contexts (the CUDA-graph step, vendored/engine/cudagraph.py).
     """
 
     token_ids: torch.Tensor
@@ -122,16 +123,23 @@ class BambaEngineModel:
             if _merge(self.w, f"model.layers.{i}.feed_forward.", ("gate_proj", "up_proj"), "gate_up_proj"):
                 self.gate_up_merged.add(i)
 
-    def forward(self, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
-        """Runs the step, updating states and K/V in place. Returns fp32 logits (len(logits_rows), V)."""
-        return self.logits(self.run_layers(self.embed(batch), batch, states, kv), batch)
+    def forward(self, batch: StepBatch, states: StatePool, kv: KVCache, *, raw_logits: bool = False) -> torch.Tensor:
+        """Runs the step, updating states and K/V in place. Returns fp32 logits (len(logits_rows), V); raw_logits:
+        they may come in the model's dtype, as the head computes them, when the model does not scale its logits
+        (the fp32 logits hold the same values; one copy of every row saved)."""
+        h, ffn = self.run_layers(self.embed(batch), batch, states, kv, last_added=False)
+        return self.logits(h, batch, ffn, raw=raw_logits)
 
     def embed(self, batch: StepBatch) -> torch.Tensor:
-        h = F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])                # (T, D)
+        # rows gathered by indexing, not F.embedding: its index_select kernel took 6.2 µs for a decode step's 8
+        # rows on an H200 (docs/decode-bench.md); both are copies of the same rows
+        h = self.w["model.embed_tokens.weight"][batch.token_ids]                             # (T, D)
         return h * self.cfg.embedding_multiplier if self.cfg.embedding_multiplier != 1 else h
 
-    def run_layers(self, h: torch.Tensor, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
-        """The residual stream h (T, D) through this instance's layers."""
+    def run_layers(self, h: torch.Tensor, batch: StepBatch, states: StatePool, kv: KVCache, *,
+                   last_added: bool = True):
+        """The residual stream h (T, D) through this instance's layers. last_added=False: (h, ffn) before the
+        last sublayer's output is added (ffn None when no layer ran), for logits() to add it with the final norm."""
         cfg = self.cfg
         m_r, eps = cfg.residual_multiplier, cfg.rms_norm_eps
         ffn = None                                       # the last sublayer's output, added with the next norm
@@ -142,11 +150,23 @@ class BambaEngineModel:
             h, x = self._add_norm(h, mixed * m_r if m_r != 1 else mixed, self.w[p + cfg.ffn_norm_suffix], eps)
             ffn = self._granite_ffn(i, x, batch) if cfg.granite else self._mlp(i, x)
             ffn = ffn * m_r if m_r != 1 else ffn
+        if not last_added:
+            return h, ffn
         return h if ffn is None else h + ffn
 
-    def logits(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        h = self._add_norm(h[batch.logits_rows], None, self.w[self.cfg.final_norm_key], self.cfg.rms_norm_eps)[1]
-        logits = F.linear(h, self.w["lm_head.weight"]).float()
+    def logits(self, h: torch.Tensor, batch: StepBatch, delta: torch.Tensor | None = None, *,
+               raw: bool = False) -> torch.Tensor:
+        """fp32 logits of the rows batch.logits_rows of the residual stream h + delta (delta: the last sublayer's
+        output, added by the final norm's launch; the sum rounds as h + delta would). A static decode step wants
+        every row: no gather. raw: the head's output in the model's dtype where the model does not scale logits."""
+        if not batch.static_decode:
+            h = h[batch.logits_rows]
+            delta = None if delta is None else delta[batch.logits_rows]
+        h = self._add_norm(h, delta, self.w[self.cfg.final_norm_key], self.cfg.rms_norm_eps)[1]
+        logits = F.linear(h, self.w["lm_head.weight"])
+        if raw and self.cfg.logits_scaling == 1:
+            return logits
+        logits = logits.float()
         return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1 else logits
 
     def _linear(self, x, name):
@@ -174,14 +194,13 @@ class BambaEngineModel:
         common = dict(D=self.w[p + "D"], dt_bias=self.w[p + "dt_bias"], z=None, dt_softplus=True,
                       dt_limit=cfg.time_step_limit)
         y = torch.empty(T, H, P, dtype=x.dtype, device=x.device)                           # (T, H, P)
-        if n_dec:
-            xbc = causal_conv1d_update(xBC[:n_dec].contiguous(), conv_pool, conv_w, conv_b, batch.decode_slots,
-                                       "silu", pad_slot_id=states.pad_slot)
+        if n_dec:                                        # both kernels take the projection's strided columns
+            xbc = causal_conv1d_update(xBC[:n_dec], conv_pool, conv_w, conv_b, batch.decode_slots, "silu",
+                                       pad_slot_id=states.pad_slot)
             xs, B, C = xbc.split([H * P, G * N, G * N], dim=-1)
-            y[:n_dec] = selective_state_update(
-                ssm_pool, xs.reshape(n_dec, H, P), dt[:n_dec].contiguous(), self.w[p + "A"],
-                B.reshape(n_dec, G, N), C.reshape(n_dec, G, N), state_indices=batch.decode_slots,
-                pad_slot_id=states.pad_slot, **common).to(x.dtype)
+            selective_state_update(ssm_pool, xs.reshape(n_dec, H, P), dt[:n_dec], self.w[p + "A"],
+                                   B.reshape(n_dec, G, N), C.reshape(n_dec, G, N), state_indices=batch.decode_slots,
+                                   pad_slot_id=states.pad_slot, out=y[:n_dec], **common)
         if T > n_dec:
             t_pre = T - n_dec
             xbc = causal_conv1d(xBC[n_dec:].contiguous(), conv_w, conv_b, conv_pool, batch.prefill_cu_seqlens,
@@ -193,7 +212,7 @@ class BambaEngineModel:
                 chunk_size=cfg.chunk_size, cu_seqlens=batch.prefill_cu_seqlens, ssm_states=ssm_pool,
                 state_indices=batch.prefill_slots, has_initial_state=batch.prefill_has_initial_state,
                 check_indices=False, **common).to(x.dtype)
-        y = self._gated_norm(i, y.reshape(T, H * P), z.contiguous())
+        y = self._gated_norm(i, y.reshape(T, H * P), z)                                  # z: strided columns
         return self._output_linear(y, p + "out_proj")
 
     def _rope(self, t: torch.Tensor, positions: torch.Tensor, heads: int | None = None) -> torch.Tensor:

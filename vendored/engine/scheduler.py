@@ -140,11 +140,13 @@ class Scheduler:
                 break
             if seq.slot is None:
                 continue                                            # preempted by an earlier sequence's growth
-            if not seq.is_decoding:
+            computed, prompt_len = seq.num_computed, len(seq.prompt)
+            # seq.is_decoding, inline: this loop runs once per running sequence per step
+            if computed < prompt_len or prompt_len + len(seq.output_ids) - computed != 1:
                 prefilling.append(seq)
-            elif (seq.num_computed < len(seq.blocks) * capacity      # room for one more token: no growth needed
+            elif (computed < len(seq.blocks) * capacity               # room for one more token: no growth needed
                   or self._grow_blocks(seq, 1)):
-                planned.append((Piece(seq, seq.num_computed, 1, True), seq.preemptions))
+                planned.append((Piece(seq, computed, 1, True), seq.preemptions))
                 left -= 1
         # A sequence is decoding or not for the whole of this step (only preemption changes it, and that also takes
         # its slot), so the prefill pass goes over the others only, in running order.
