@@ -268,6 +268,7 @@ def _conv_by_shifts(x, weight, bias, initial, dtype):
 
 @gpu
 @needs_gpu
+@pytest.mark.xdist_group("large-gpu-memory")                           # 24 GB reserved (conftest.py)
 def test_long_prefill_past_int32_offsets():
     # T·C = 270,000 · 8448 = 2.3e9 elements > 2^31: a kernel that forms token·stride in int32 wraps around.
     dtype, c = torch.bfloat16, BAMBA_CHANNELS
