@@ -1,6 +1,7 @@
 """A small serving engine for Bamba on the kernels of vendored/ops: continuous batching, chunked prefill at any
-boundary, state slots and a paged K/V cache."""
+boundary, state slots and a paged K/V cache; greedy or seeded sampled continuations."""
 
 from .engine import EngineError, LLMEngine, RequestOutput
+from .sampling import SamplingParams
 
-__all__ = ["EngineError", "LLMEngine", "RequestOutput"]
+__all__ = ["EngineError", "LLMEngine", "RequestOutput", "SamplingParams"]

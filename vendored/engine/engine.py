@@ -1,4 +1,5 @@
-"""LLMEngine: requests in, prompt logprobs and greedy continuations out, one packed step at a time."""
+"""LLMEngine: requests in, prompt logprobs and continuations (greedy, or sampled with a seed) out, one packed step
+at a time."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .cache import KVCache, StatePool
 from .cudagraph import DecodeGraphRunner
 from .model import BambaEngineModel, StepBatch
 from .ranking import log_softmax_at, log_softmax_norm, ranked_log_softmax
+from .sampling import SamplingParams, sample
 from .scheduler import PENDING, Piece, Scheduler, Sequence
 from .weights import load
 
@@ -171,12 +173,19 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int = 0, top_k: int = 5,
-                    keep_rows: bool = False, prompt_top: bool = False) -> None:
+                    keep_rows: bool = False, prompt_top: bool = False,
+                    sampling: SamplingParams | None = None) -> None:
         """Queue a request; EngineError naming the request (and the position) if the engine cannot serve it.
-        keep_rows: return every position's full log-softmax row; prompt_top: the top-k at prompt positions too."""
+        keep_rows: return every position's full log-softmax row; prompt_top: the top-k at prompt positions too;
+        sampling: draw each new token (vendored/engine/sampling.py) instead of taking the greedy one; its logprob is
+        still the model's. A sampling request's decode steps run eagerly, outside the CUDA graphs."""
         self._check_open()
         prompt = self._checked_prompt(request_id, prompt, max_new_tokens)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise EngineError(f"request {request_id}: sampling: expected a SamplingParams or None, got "
+                              f"{type(sampling).__name__}")
         self.scheduler.add(Sequence(request_id, prompt, max_new_tokens, top_k, self._arrivals, keep_rows=keep_rows,
+                                    sampling=sampling,
                                     prompt_logprobs=[None] * (len(prompt) - 1),
                                     prompt_top=[None] * (len(prompt) - 1) if prompt_top else None))
         self._in_flight.add(request_id)
@@ -224,7 +233,9 @@ class LLMEngine:
         if not pieces:
             raise EngineError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                               f"{len(self.scheduler.running)} running requests")
-        if self.graphs is not None and self.graphs.handles(pieces) and not any(p.seq.keep_rows for p in pieces):
+        graphed = (self.graphs is not None and self.graphs.handles(pieces)
+                   and not any(p.seq.sampling is not None for p in pieces))
+        if graphed and not any(p.seq.keep_rows for p in pieces):
             previous, self._ahead = self._ahead, None
             ahead = self._launch_decode(pieces)
             self.steps += 1
@@ -235,7 +246,7 @@ class LLMEngine:
                 done += self._read_back(ahead)
             return done
         done = self._settle()
-        if self.graphs is not None and self.graphs.handles(pieces):
+        if graphed:
             logits, _ = self.graphs.run(pieces)                   # one row per decode, every one wanted
             logits = logits.float()                               # the raw logits in fp32, as the eager step's
             rows = [(i, 1) for i in range(len(pieces))]
@@ -405,10 +416,23 @@ class LLMEngine:
             index = torch.tensor(prompt_rows, dtype=torch.long, device=device)
             target = torch.tensor(prompt_targets, dtype=torch.long, device=device)
             parts.append(log_softmax_at(logits[index, target][:, None], norm[index])[:, 0].double())  # (n_prompt,)
+        # choices of sampling sequences: drawn (sampling.py) at the position the token will take, logprob the model's
+        drawn = [i for i, (seq, pos) in enumerate(top_owners) if pos is None and seq.sampling is not None]
         if top_rows:
             k = max(max(1, seq.top_k) for seq, _ in top_owners)
-            values, ids, _ = ranked_log_softmax(logits[torch.tensor(top_rows, dtype=torch.long, device=device)], k)
+            top_index = torch.tensor(top_rows, dtype=torch.long, device=device)
+            values, ids, top_norm = ranked_log_softmax(logits[top_index], k)
             parts += [values.double().reshape(-1), ids.double().reshape(-1)]               # (n, k) each
+        if drawn:
+            which = torch.tensor(drawn, dtype=torch.long, device=device)
+            params = [top_owners[i][0].sampling for i in drawn]
+            tokens = sample(logits[top_index[which]],
+                            torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
+                            torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
+                            torch.tensor([top_owners[i][0].num_tokens for i in drawn], dtype=torch.int64,
+                                         device=device))
+            chosen = logits[top_index[which], tokens][:, None]
+            parts += [tokens.double(), log_softmax_at(chosen, top_norm[which])[:, 0].double()]   # (n_drawn,) each
         host = torch.cat(parts).cpu()                                  # one transfer (fp64: ids and values exact)
         kept_rows = log_softmax_at(logits[kept_index], norm[kept_index]).cpu() if kept else None
         for (seq, pos), value in zip(prompt_slots, host[:len(prompt_rows)].tolist()):
@@ -417,13 +441,16 @@ class LLMEngine:
             n = len(top_rows)
             flat = host[len(prompt_rows):]
             values = flat[:n * k].reshape(n, k).tolist()
-            indices = flat[n * k:].reshape(n, k).long().tolist()
-            for (seq, pos), vals, ids in zip(top_owners, values, indices):
+            indices = flat[n * k:2 * n * k].reshape(n, k).long().tolist()
+            tail = flat[2 * n * k:].tolist()
+            draws = dict(zip(drawn, zip((int(t) for t in tail[:len(drawn)]), tail[len(drawn):])))
+            for i, ((seq, pos), vals, ids) in enumerate(zip(top_owners, values, indices)):
                 if pos is not None:
                     seq.prompt_top[pos] = list(zip(ids, vals))[:seq.top_k]
                     continue
-                seq.output_ids.append(ids[0])                           # greedy; ties go to the lowest index (ranking.py)
-                seq.output_logprobs.append(vals[0])
+                token, logprob = draws.get(i, (ids[0], vals[0]))       # greedy: ties go to the lowest index
+                seq.output_ids.append(token)
+                seq.output_logprobs.append(logprob)
                 seq.output_top.append(list(zip(ids, vals))[:seq.top_k])
         for i, (seq, pos, _) in enumerate(kept):
             seq.rows[pos] = kept_rows[i]
@@ -443,30 +470,34 @@ class LLMEngine:
         seen: dict[str, str] = {}
         places = [(f"requests[{i}]", r) for i, r in enumerate(requests)]
         places += [(f"arrivals[{step}][{i}]", r) for step in sorted(arrivals) for i, r in enumerate(arrivals[step])]
-        for place, (request_id, prompt, max_new) in places:
+        for place, (request_id, prompt, max_new, *rest) in places:
             if request_id in seen:
                 raise EngineError(f"request {request_id}: duplicate request id ({seen[request_id]} and {place}); "
                                   "outputs are matched to requests by id")
             seen[request_id] = place
             self._checked_prompt(request_id, prompt, max_new)
+            if len(rest) > 1 or (rest and rest[0] is not None and not isinstance(rest[0], SamplingParams)):
+                raise EngineError(f"request {request_id}: expected (id, prompt, max_new_tokens[, SamplingParams or "
+                                  f"None]), got {len(rest) + 3} fields with {rest!r} after the third")
 
     def generate(self, requests: list[tuple[str, list[int], int]], *, arrivals: dict[int, list] | None = None,
                  top_k: int = 5, keep_rows: bool = False, prompt_top: bool = False,
                  max_steps: int = 1_000_000) -> list[RequestOutput]:
-        """Run requests (id, prompt, max_new_tokens) to completion; arrivals maps a step number to more requests
-        that arrive before that step. Returns outputs in the order the requests were given."""
+        """Run requests (id, prompt, max_new_tokens[, sampling]) to completion (sampling: a SamplingParams, or None
+        for greedy); arrivals maps a step number to more requests that arrive before that step. Returns outputs in
+        the order the requests were given."""
         self._check_open()
         pending = dict(arrivals or {})
         order = [r[0] for r in requests] + [r[0] for step in sorted(pending) for r in pending[step]]
         self._check_all(requests, pending)
-        for request_id, prompt, max_new in requests:
-            self.add_request(request_id, prompt, max_new, top_k, keep_rows, prompt_top)
+        for request_id, prompt, max_new, *sampling in requests:
+            self.add_request(request_id, prompt, max_new, top_k, keep_rows, prompt_top, *sampling)
         results: dict[str, RequestOutput] = {}
         start = self.steps
         while self.has_unfinished() or pending:
             for step in [s for s in pending if s <= self.steps - start]:
-                for request_id, prompt, max_new in pending.pop(step):
-                    self.add_request(request_id, prompt, max_new, top_k, keep_rows, prompt_top)
+                for request_id, prompt, max_new, *sampling in pending.pop(step):
+                    self.add_request(request_id, prompt, max_new, top_k, keep_rows, prompt_top, *sampling)
             if not self.has_unfinished():
                 self.steps += 1                                    # an idle step until the next arrival
                 continue

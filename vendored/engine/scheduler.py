@@ -37,6 +37,7 @@ class Sequence:
     output_top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     keep_rows: bool = False          # keep every position's full log-softmax row (for a test harness)
+    sampling: object | None = None   # sampling.SamplingParams: the next tokens are drawn, not greedy
     prompt_top: list | None = None   # per prompt position, its top-k (token, logprob), when asked for
     rows: dict[int, "object"] = field(default_factory=dict)   # position -> (V,) log-softmax predicting position+1
     num_computed: int = 0            # tokens whose state and K/V are in the cache
