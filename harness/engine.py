@@ -1,4 +1,5 @@
-"""One interface for every engine: requests in, teacher-forced prompt logprobs and greedy continuations out.
+"""One interface for every engine: requests in, teacher-forced prompt logprobs and continuations out (greedy, or
+sampled where a request gives a temperature and the engine can sample).
 
 An engine is built from (checkpoint directory, dtype, device, `EngineOptions`), used as a context manager that frees
 its model on exit, and driven by `run(requests)`. The options are the knobs a scenario turns (docs/design.md §3). An
@@ -13,6 +14,7 @@ rows positions T..T+n-1. Shape letters: T prompt tokens, n generated tokens, V v
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -57,9 +59,11 @@ class UnsupportedOptions(RuntimeError):
 
 @dataclass(frozen=True)
 class Request:
-    """One greedy request. prompt: token ids (T,); top_k: alternatives returned per position (prompt and output);
+    """One request. prompt: token ids (T,); top_k: alternatives returned per position (prompt and output);
     arrival_step: the engine step from which a scheduler may admit it (engines without steps refuse values > 0);
-    full_distributions: also return every position's full log-softmax (engines that cannot leave them None)."""
+    full_distributions: also return every position's full log-softmax (engines that cannot leave them None);
+    temperature: 0 decodes greedily, > 0 samples each new token at that temperature with `seed` (engines that cannot
+    sample refuse it); the logprobs returned are always the model's own (untempered) ones."""
 
     request_id: str
     prompt: tuple[int, ...]
@@ -67,9 +71,20 @@ class Request:
     top_k: int = 5
     arrival_step: int = 0
     full_distributions: bool = False
+    temperature: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+            raise EngineInputError(f"request {self.request_id!r}: temperature = {t!r}, expected a finite "
+                                   "number >= 0")
+
+    @property
+    def samples(self) -> bool:
+        """Whether its continuation is sampled (it has tokens to generate and a temperature above 0)."""
+        return self.temperature > 0 and self.max_new_tokens > 0
 
     def teacher_forced(self, continuation: Sequence[int]) -> "Request":
         """The same request with `continuation` appended to the prompt and nothing to generate."""
@@ -327,6 +342,8 @@ class Engine(abc.ABC):
     default_ssm_state_dtype: ClassVar[str | None] = None
     # The model families (config.json model_type) the engine serves; a checkpoint of another is refused at once.
     families: ClassVar[tuple[str, ...]] = ("bamba",)
+    # True for engines that sample a request with a temperature (seeded); the others refuse such requests.
+    samples: ClassVar[bool] = False
 
     def __init__(self, checkpoint: str | Path, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", options: EngineOptions | None = None) -> None:
@@ -362,9 +379,13 @@ class Engine(abc.ABC):
         if unknown:
             known = ", ".join(sorted(cls.engine_arg_names)) or "none"
             reasons.append(f"engine_args {unknown}: unknown to {cls.name} (it knows: {known})")
+        requests = list(requests)
         staggered = [r.request_id for r in requests if r.arrival_step > 0]
         if staggered and not cls.has_scheduler:
             reasons.append(f"arrival_step > 0 for requests {staggered[:4]}: {cls.name} has no scheduler steps")
+        sampled = [r.request_id for r in requests if r.samples]
+        if sampled and not cls.samples:
+            reasons.append(f"temperature > 0 for requests {sampled[:4]}: {cls.name} decodes greedily only")
         return reasons + cls._unsupported(options, dtype=dtype, device=device)
 
     @classmethod
@@ -378,10 +399,10 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def _run(self, requests: list[Request]) -> list[RequestResult]:
-        """Greedy-decode the (already checked) requests; results in the order of `requests`."""
+        """Decode the (already checked) requests, greedily or as each samples; results in the order of `requests`."""
 
     def run(self, requests: Sequence[Request]) -> list[RequestResult]:
-        """Teacher-forced prompt logprobs and greedy continuations, one result per request, in request order."""
+        """Teacher-forced prompt logprobs and continuations, one result per request, in request order."""
         requests = list(requests)
         check_requests(requests, self.cfg, allow_long_context=self.options.allow_long_context)
         reasons = self.unsupported(self.options, dtype=self.dtype, device=self.device, requests=requests)

@@ -185,15 +185,18 @@ class Oracle:
         return {r.request_id: rows for r, rows in zip(requests, self._error_rows(requests, dtype, ssm_state_dtype))}
 
     def noise_floor(self, requests: Sequence[Request], dtype: torch.dtype, options: EngineOptions,
-                    *, atol: float = 0.0, engine_state_dtype: str | None = None) -> NoiseFloor:
+                    *, atol: float = 0.0, engine_state_dtype: str | None = None,
+                    as_run: Sequence[Request] | None = None) -> NoiseFloor:
         """The excess test's noise floor for a candidate in `dtype` under `options` (harness/compare.py): the
         reference in `dtype` with the candidate's SSM state dtype (options.ssm_state_dtype, else the engine's
         default, `engine_state_dtype`, None: `dtype`), and each request's position classes in the scheduler plan
-        of `options`."""
+        of `options`. as_run: the requests as the candidate ran them, when `requests` are their teacher-forced
+        forms (sampled continuations): the classes follow the candidate's plan, its decode positions included."""
         state = options.ssm_state_dtype or engine_state_dtype
         if state is not None and parse_dtype(state) == dtype:
             state = None
         errors = self.position_errors(requests, dtype, state)
+        requests = list(as_run) if as_run is not None else requests
         plan = plan_steps([RequestShape(len(r.prompt), r.max_new_tokens, r.arrival_step) for r in requests],
                           **plan_options(options))
         pieces: list[list[tuple[int, int, bool]]] = [[] for _ in requests]
@@ -286,6 +289,12 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
         reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
         if reasons:
             raise ScenarioSkipped(reasons)
+        if any(r.samples for r in requests):
+            report = _judge_sampled(candidate, engine_cls, scenario, requests, oracle=oracle, source=source,
+                                    dtype=dtype, options=options, k=k, atol=atol, top_k=top_k, progress=progress)
+            report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device),
+                               options={k_: str(v) for k_, v in options.non_default().items()})
+            return report
         _enter(progress, "oracle")
         baseline = oracle.results(requests)
         _enter(progress, "budget")
@@ -308,6 +317,55 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
     return report
 
 
+def _judge_sampled(candidate: Engine, engine_cls: type[Engine], scenario: Scenario, requests: list[Request], *,
+                   oracle: Oracle, source: PromptSource, dtype: torch.dtype, options: EngineOptions, k: float,
+                   atol: float | None, top_k: int, progress: Progress | None) -> Report:
+    """A scenario whose requests sample: the candidate runs first; its continuations, whatever tokens it drew, are
+    judged teacher-forced. Each request becomes prompt + the candidate's tokens with nothing to generate, the
+    oracle, budget and noise floor are computed on those, and the candidate's logprobs of its own tokens are
+    compared with them at every position like prompt positions (no token choice to judge: a draw is the engine's
+    business). The excess test's classes keep the candidate's decode positions as decode (as_run)."""
+    _enter(progress, engine_cls.name, candidate)
+    ran = oracle.run_beside(candidate, requests, dtype)
+    by_id = {r.request_id: r for r in ran}
+    forced = [r.teacher_forced(by_id[r.request_id].output_ids) if r.request_id in by_id else r for r in requests]
+    _enter(progress, "oracle")
+    baseline = oracle.results(forced)
+    _enter(progress, "budget")
+    budget = oracle.budget(forced, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype,
+                           calibration=calibration_requests(oracle, source, top_k=top_k))
+    noise = None
+    if dtype.itemsize <= 2:
+        _enter(progress, "noise floor")
+        noise = oracle.noise_floor(forced, dtype, options, atol=budget.atol,
+                                   engine_state_dtype=engine_cls.default_ssm_state_dtype, as_run=requests)
+    report = compare_runs(scenario=scenario.id, requests=forced, baseline=baseline,
+                          candidate=[as_teacher_forced(r) for r in ran], budget=budget, noise=noise)
+    report.meta["sampled"] = {r.request_id: {"temperature": r.temperature, "seed": r.seed, "prompt_tokens":
+                                             len(r.prompt), "drawn": r.max_new_tokens} for r in requests}
+    return report
+
+
+def as_teacher_forced(result: RequestResult) -> RequestResult:
+    """A result's generated positions as prompt positions: what a teacher-forced run of prompt + its own output
+    returns (prompt rows then output rows, nothing generated)."""
+    def cat(a, b):
+        return None if a is None or b is None else torch.cat([a, b])
+    return RequestResult(result.request_id, cat(result.prompt_logprobs, result.output_logprobs),
+                         cat(result.prompt_top_ids, result.output_top_ids),
+                         cat(result.prompt_top_logprobs, result.output_top_logprobs), [],
+                         result.output_logprobs[:0], result.output_top_ids[:0], result.output_top_logprobs[:0],
+                         cat(result.prompt_dists, result.output_dists),
+                         None if result.output_dists is None else result.output_dists[:0])
+
+
+def _refuse_sampled(requests: Sequence[Request], mode: str) -> None:
+    if any(r.samples for r in requests):
+        raise ScenarioSkipped([f"sampled requests: {mode} compares two runs' own continuations position by "
+                               "position, and two runs draw different tokens wherever a draw falls near a tie; "
+                               "a sampled scenario is judged against the oracle"])
+
+
 def check_relative(engine: str | type[Engine], scenario: Scenario, *, baseline_options: EngineOptions,
                    oracle: Oracle, source: PromptSource, dtype: str | torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", k: float = DEFAULT_K, atol: float | None = None,
@@ -317,6 +375,7 @@ def check_relative(engine: str | type[Engine], scenario: Scenario, *, baseline_o
     dtype = parse_dtype(dtype)
     engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
                                              source=source, engine_args=None, top_k=top_k)
+    _refuse_sampled(requests, "a relative check")
     budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype,
                            calibration=calibration_requests(oracle, source, top_k=top_k))
     with _open(engine_cls, oracle.checkpoint, dtype=dtype, device=device, options=baseline_options) as engine_a:
@@ -348,6 +407,7 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
     against_dtype = base_cls.default_dtype if against_dtype is None else parse_dtype(against_dtype)
     engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
                                              source=source, engine_args=engine_args, top_k=top_k)
+    _refuse_sampled(requests, "a check against another engine")
     try:
         _, base_options, _ = _prepare(base_cls, scenario, dtype=against_dtype, device=device, source=source,
                                       engine_args=against_args, top_k=top_k)

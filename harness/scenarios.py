@@ -6,7 +6,8 @@ gets its own boundary cases. Token ids come from a `PromptSource`: fixtures/prom
 gives peaked distributions), else seeded random ids.
 
 Kinds: batching (alone / together / shuffled), chunked_prefill (token budgets, and a per-piece cap), preemption
-(a K/V cache too small for the workload), tp, pp, cudagraph, ssm_state_dtype, long. Which boundary events a scenario
+(a K/V cache too small for the workload), tp, pp, cudagraph, ssm_state_dtype, long, sampled (continuations drawn at
+a temperature, judged teacher-forced: the decode path at positions as sensitive as prompt positions). Which boundary events a scenario
 produces is computed from its step plan (harness/events.py); tests/harness/test_event_coverage.py checks that every
 model's scenarios produce every event it can have (docs/scenarios.md lists them).
 """
@@ -34,13 +35,20 @@ from .schedule import DEFAULT_KV_BLOCK_SIZE, RequestShape
 LONG_PROMPT_TOKENS = 100_003
 LONG_STEP_TOKENS = 8192
 
-KINDS = ("batching", "chunked_prefill", "preemption", "tp", "pp", "cudagraph", "ssm_state_dtype", "long")
+KINDS = ("batching", "chunked_prefill", "preemption", "tp", "pp", "cudagraph", "ssm_state_dtype", "long", "sampled")
+
+# The sampled scenarios' temperature. A greedy token of a confident model has a logprob near 0, where an error in
+# the hidden state barely moves it (the logprob of the top token changes by (1 - p) times the logit error), so a
+# decode path's errors hide at greedy positions. Drawn at T = 2 most tokens are not the top one, and their
+# logprobs move with the logits as prompt positions' do.
+SAMPLE_TEMPERATURE = 2.0
 
 @dataclass(frozen=True)
 class Scenario:
     """A named configuration plus workload. shapes: the requests (lengths, tokens to generate, arrival steps);
     shuffle_seed: present the requests in a seeded random order; needs_cuda: skipped without a CUDA device;
-    marks: pytest markers of its cases; slow: left out unless asked for by id."""
+    marks: pytest markers of its cases; slow: left out unless asked for by id; temperature: > 0, every request
+    samples its continuation at it, request i with seed i."""
 
     id: str
     kind: str
@@ -51,11 +59,12 @@ class Scenario:
     needs_cuda: bool = False
     marks: tuple[str, ...] = ()
     slow: bool = False
+    temperature: float = 0.0
 
     def requests(self, source: "PromptSource", *, top_k: int = 5, full_distributions: bool = False) -> list[Request]:
         """The workload's requests in presentation order; request i of the shapes is named `r{i}-len{T}`."""
         reqs = [Request(f"r{i}-len{s.prompt_len}", source.tokens(s.prompt_len, i), s.max_new_tokens, top_k,
-                        s.arrival_step, full_distributions) for i, s in enumerate(self.shapes)]
+                        s.arrival_step, full_distributions, self.temperature, i) for i, s in enumerate(self.shapes)]
         if self.shuffle_seed is not None:
             random.Random(self.shuffle_seed).shuffle(reqs)
         return reqs
@@ -285,6 +294,16 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
                         (RequestShape(long_len, 4),),
                         f"long-100k with its decodes replayed as CUDA graphs at a {long_len}-token context",
                         needs_cuda=True, marks=("gpu", "cudagraph"), slow=True))
+    T = SAMPLE_TEMPERATURE
+    out += [
+        Scenario(f"sampled-decode-T{T:g}", "sampled", EngineOptions(), decode,
+                 f"the decode workload (batches of 6 down to 1 rows, up to 12 steps) with every continuation drawn "
+                 f"at temperature {T:g} (seed = request index) and judged teacher-forced", temperature=T),
+        Scenario(f"sampled-long-decode-T{T:g}", "sampled", EngineOptions(), long_decode_shapes(Q, W),
+                 f"{len(long_decode_shapes(Q, W))} requests drawing {LONG_DECODE_TOKENS} tokens each at temperature "
+                 f"{T:g}, judged teacher-forced: every decode position as sensitive to a state that drifts as a "
+                 "prompt position is", slow=True, temperature=T),
+    ]
     return out
 
 

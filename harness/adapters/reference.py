@@ -28,6 +28,7 @@ class ReferenceEngine(Engine):
     families = ("bamba", "granitemoehybrid")
     engine_arg_names = frozenset({"gated_norm"})
     has_scheduler = True
+    samples = True      # a sampling request draws from softmax(logits / T) with a generator seeded by (seed, position)
     near_k = 0          # > 0: also the near_k most likely tokens of every generated position (the Oracle sets it)
 
     @classmethod
@@ -89,7 +90,8 @@ class ReferenceEngine(Engine):
                 states[piece.request] = state
                 logprobs = log_softmax(piece_logits)                      # (L, V)
                 if piece.stop == len(req.prompt) + len(out) and len(out) < req.max_new_tokens:
-                    out.append(int(logprobs[-1].argmax()))
+                    out.append(_draw(logprobs[-1], req, len(req.prompt) + len(out)) if req.samples
+                               else int(logprobs[-1].argmax()))
                 known = req.prompt + tuple(out)
                 keep = len(req.prompt) - 1 + req.max_new_tokens   # the last row predicts a token never generated
                 positions = [p for p in range(piece.start, piece.stop)
@@ -121,3 +123,12 @@ class ReferenceEngine(Engine):
                 result.output_near_logprobs = torch.stack([v for _, v in rows])
             results.append(result)
         return results
+
+
+def _draw(row: torch.Tensor, req: Request, position: int) -> int:
+    """The reference's draw for a sampling request: one multinomial draw from softmax(row / T) (row: a log-softmax
+    row) with a CPU generator seeded by the request's seed and the position, so a draw does not depend on the
+    batch or the schedule."""
+    gen = torch.Generator().manual_seed((req.seed * 1_000_003 + position) % (1 << 63))
+    probs = torch.softmax(row.detach().to("cpu", torch.float64) / req.temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))

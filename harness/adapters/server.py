@@ -87,6 +87,7 @@ class ServerEngine(Engine):
     engine_arg_names = frozenset({"base_url", "model", "api_key_env", "concurrency", "timeout", "retries",
                                   "logprobs_mode", "launch", "launch_timeout"})
     opt_in = True
+    samples = True                  # temperature and seed go in the completion request's body
 
     @classmethod
     def _unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: torch.device) -> list[str]:
@@ -246,6 +247,8 @@ class ServerEngine(Engine):
         body = {"model": getattr(self, "model", None), "prompt": list(request.prompt), "temperature": 0.0,
                 "max_tokens": max(request.max_new_tokens, 1), "logprobs": request.top_k,
                 "return_tokens_as_token_ids": True, "ignore_eos": True}
+        if request.samples:                              # sampled with the request's seed (OpenAI's `seed`)
+            body.update(temperature=float(request.temperature), seed=int(request.seed))
         if self.logprobs_mode == "echo":
             body["echo"] = True
         else:

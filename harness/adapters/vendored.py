@@ -29,6 +29,7 @@ class VendoredEngine(Engine):
     families = ("bamba", "granitemoehybrid")
     engine_arg_names = frozenset({"parallel_timeout_s"})
     has_scheduler = True
+    samples = True                                      # seeded sampling: vendored/engine/sampling.py
     default_ssm_state_dtype = "float32"                 # vendored/engine: the state pool is fp32 unless told
     slow_on_cpu = True          # the Triton interpreter: the generic matrix runs it under `slow`; tests/engine do not
     # Called after every engine step (a progress bar's tick; harness/runner.py sets it); it sees nothing of the step.
@@ -91,11 +92,17 @@ class VendoredEngine(Engine):
         self.engine = self._build(max(len(r.prompt) + r.max_new_tokens for r in requests))
         if self.step_callback is not None:
             self.engine.step = _counted(self.engine.step, self.step_callback)
-        now = [(r.request_id, list(r.prompt), r.max_new_tokens) for r in requests if r.arrival_step == 0]
+        from vendored.engine import SamplingParams
+
+        def entry(r: Request) -> tuple:
+            return (r.request_id, list(r.prompt), r.max_new_tokens,
+                    SamplingParams(r.temperature, r.seed) if r.samples else None)
+
+        now = [entry(r) for r in requests if r.arrival_step == 0]
         later: dict[int, list] = {}
         for r in requests:
             if r.arrival_step > 0:
-                later.setdefault(r.arrival_step, []).append((r.request_id, list(r.prompt), r.max_new_tokens))
+                later.setdefault(r.arrival_step, []).append(entry(r))
         top_k = max(r.top_k for r in requests)
         # Full rows only when a request wants its distributions; otherwise the engine returns the top-k of every
         # position, computed on its device (a GPU's rows of a 128K vocabulary never come to the host).

@@ -164,6 +164,7 @@ class VllmEngine(Engine):
     engine_arg_names = frozenset({"startup_timeout", "run_timeout", "gpu_memory_utilization"})
     has_scheduler = True
     opt_in = True
+    samples = True                  # temperature and seed go to vLLM's SamplingParams (vllm_worker.py)
 
     @classmethod
     def dependency_problem(cls) -> str | None:
@@ -304,7 +305,8 @@ class VllmEngine(Engine):
             self._start(longest)
         full = self.cfg.vocab_size <= FULL_VOCAB_LIMIT
         payload = [{"id": r.request_id, "prompt": list(r.prompt), "max_new_tokens": r.max_new_tokens,
-                    "logprobs": self.cfg.vocab_size if full else r.top_k, "arrival_step": r.arrival_step}
+                    "logprobs": self.cfg.vocab_size if full else r.top_k, "arrival_step": r.arrival_step,
+                    "temperature": float(r.temperature) if r.samples else 0.0, "seed": int(r.seed)}
                    for r in requests]
         timeout = float(self.options.engine_args.get("run_timeout", DEFAULT_RUN_TIMEOUT))
         answer = self.worker.request({"cmd": "run", "requests": payload}, timeout)

@@ -50,7 +50,11 @@ def run_requests(engine, requests: list[dict]) -> list[dict]:
     from vllm import SamplingParams
 
     def add(req: dict) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=max(req["max_new_tokens"], 1), logprobs=req["logprobs"],
+        # temperature 0: greedy; above 0, sampled with the request's seed. vLLM returns the model's own logprobs
+        # of whatever it chose (its default logprobs_mode, raw_logprobs: before temperature).
+        sampled = req.get("temperature", 0.0) > 0
+        params = SamplingParams(temperature=req.get("temperature", 0.0), seed=req.get("seed") if sampled else None,
+                                max_tokens=max(req["max_new_tokens"], 1), logprobs=req["logprobs"],
                                 prompt_logprobs=req["logprobs"], detokenize=False, ignore_eos=True)
         engine.add_request(req["id"], {"prompt_token_ids": req["prompt"]}, params)
 

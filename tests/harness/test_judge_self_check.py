@@ -115,7 +115,11 @@ def test_every_scenario_kind_is_checked():
 def test_planted_deltas_fail_exactly_where_they_exceed_the_budget(kind, side, g1_oracle, g1_prompts, monkeypatch):
     scenario = SCENARIOS[kind]
     requests = scenario.requests(g1_prompts)
-    budget = g1_oracle.budget(requests, torch.float32, ssm_state_dtype=scenario.options.ssm_state_dtype,
+    judged = requests
+    if kind == "sampled":          # judged teacher-forced on the candidate's own draws (runner._judge_sampled)
+        with ReferenceEngine(g1_oracle.checkpoint, dtype=torch.float64, options=scenario.options) as drawer:
+            judged = [r.teacher_forced(out.output_ids) for r, out in zip(requests, drawer.run(requests))]
+    budget = g1_oracle.budget(judged, torch.float32, ssm_state_dtype=scenario.options.ssm_state_dtype,
                               calibration=calibration_requests(g1_oracle, g1_prompts)).value
     targets = _targets(scenario, requests)
     if kind in ("chunked_prefill", "tp"):

@@ -44,8 +44,20 @@ def test_scenario_ids_for_q16_w4():
         "tp-size1", "tp-size2", "tp-size4", "tp-size2-budget17-Q16", "pp-size1", "pp-size2",
         "cudagraph-off", "cudagraph-on",
         "ssm_state_dtype-float32", "ssm_state_dtype-bfloat16", "long-past_max_positions", "long-100k",
-        "long-100k-cudagraph",
+        "long-100k-cudagraph", "sampled-decode-T2", "sampled-long-decode-T2",
     ]
+
+
+def test_sampled_scenarios_draw_every_continuation_with_its_own_seed():
+    scenarios = {s.id: s for s in build_scenarios(model(16, 4))}
+    for sid in ("sampled-decode-T2", "sampled-long-decode-T2"):
+        requests = scenarios[sid].requests(PromptSource(97))
+        assert [(r.temperature, r.seed) for r in requests] == [(2.0, i) for i in range(len(requests))]
+        assert all(r.samples for r in requests)
+        forced = requests[0].teacher_forced([5, 6])
+        assert (forced.temperature, forced.max_new_tokens, forced.samples) == (0.0, 0, False)
+    assert scenarios["sampled-long-decode-T2"].slow and not scenarios["sampled-decode-T2"].slow
+    assert all(r.temperature == 0.0 for r in scenarios["batching-together"].requests(PromptSource(97)))
 
 
 @pytest.mark.parametrize("Q,W", [(16, 4), (8, 4), (256, 4), (8, 2), (64, 3)])
