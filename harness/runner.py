@@ -289,26 +289,16 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
         reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
         if reasons:
             raise ScenarioSkipped(reasons)
+        judging = dict(oracle=oracle, source=source, dtype=dtype, options=options, engine_cls=engine_cls, k=k,
+                       atol=atol, top_k=top_k, progress=progress)
         if any(r.samples for r in requests):
-            report = _judge_sampled(candidate, engine_cls, scenario, requests, oracle=oracle, source=source,
-                                    dtype=dtype, options=options, k=k, atol=atol, top_k=top_k, progress=progress)
-            report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device),
-                               options={k_: str(v) for k_, v in options.non_default().items()})
-            return report
-        _enter(progress, "oracle")
-        baseline = oracle.results(requests)
-        _enter(progress, "budget")
-        budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype,
-                               calibration=calibration_requests(oracle, source, top_k=top_k))
-        noise = None
-        if dtype.itemsize <= 2:                             # 16-bit: the excess test (compare.py)
-            _enter(progress, "noise floor")
-            noise = oracle.noise_floor(requests, dtype, options, atol=budget.atol,
-                                       engine_state_dtype=engine_cls.default_ssm_state_dtype)
-        _enter(progress, engine_cls.name, candidate)
-        report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
-                              candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
-                              rerun=lambda forced: oracle.run_beside(candidate, forced, dtype), noise=noise)
+            report = _judge_sampled(candidate, scenario, requests, **judging)
+        else:
+            baseline, budget, noise = _oracle_side(requests, **judging)
+            _enter(progress, engine_cls.name, candidate)
+            report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
+                                  candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
+                                  rerun=lambda forced: oracle.run_beside(candidate, forced, dtype), noise=noise)
         hint = getattr(engine_cls, "oracle_hint", None)       # an engine known to compute another model here
         if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
             report.meta["hint"] = text
@@ -317,28 +307,35 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
     return report
 
 
-def _judge_sampled(candidate: Engine, engine_cls: type[Engine], scenario: Scenario, requests: list[Request], *,
-                   oracle: Oracle, source: PromptSource, dtype: torch.dtype, options: EngineOptions, k: float,
-                   atol: float | None, top_k: int, progress: Progress | None) -> Report:
+def _oracle_side(requests: Sequence[Request], *, oracle: Oracle, source: PromptSource, dtype: torch.dtype,
+                 options: EngineOptions, engine_cls: type[Engine], k: float, atol: float | None, top_k: int,
+                 progress: Progress | None, as_run: Sequence[Request] | None = None):
+    """What a candidate in `dtype` is judged against on `requests`: the oracle's results, the budget, and for a
+    16-bit candidate the excess test's noise floor (compare.py); as_run: Oracle.noise_floor's."""
+    _enter(progress, "oracle")
+    baseline = oracle.results(requests)
+    _enter(progress, "budget")
+    budget = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype,
+                           calibration=calibration_requests(oracle, source, top_k=top_k))
+    noise = None
+    if dtype.itemsize <= 2:
+        _enter(progress, "noise floor")
+        noise = oracle.noise_floor(requests, dtype, options, atol=budget.atol,
+                                   engine_state_dtype=engine_cls.default_ssm_state_dtype, as_run=as_run)
+    return baseline, budget, noise
+
+
+def _judge_sampled(candidate: Engine, scenario: Scenario, requests: list[Request], **judging) -> Report:
     """A scenario whose requests sample: the candidate runs first; its continuations, whatever tokens it drew, are
     judged teacher-forced. Each request becomes prompt + the candidate's tokens with nothing to generate, the
     oracle, budget and noise floor are computed on those, and the candidate's logprobs of its own tokens are
     compared with them at every position like prompt positions (no token choice to judge: a draw is the engine's
     business). The excess test's classes keep the candidate's decode positions as decode (as_run)."""
-    _enter(progress, engine_cls.name, candidate)
-    ran = oracle.run_beside(candidate, requests, dtype)
+    _enter(judging["progress"], judging["engine_cls"].name, candidate)
+    ran = judging["oracle"].run_beside(candidate, requests, judging["dtype"])
     by_id = {r.request_id: r for r in ran}
     forced = [r.teacher_forced(by_id[r.request_id].output_ids) if r.request_id in by_id else r for r in requests]
-    _enter(progress, "oracle")
-    baseline = oracle.results(forced)
-    _enter(progress, "budget")
-    budget = oracle.budget(forced, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype,
-                           calibration=calibration_requests(oracle, source, top_k=top_k))
-    noise = None
-    if dtype.itemsize <= 2:
-        _enter(progress, "noise floor")
-        noise = oracle.noise_floor(forced, dtype, options, atol=budget.atol,
-                                   engine_state_dtype=engine_cls.default_ssm_state_dtype, as_run=requests)
+    baseline, budget, noise = _oracle_side(forced, as_run=requests, **judging)
     report = compare_runs(scenario=scenario.id, requests=forced, baseline=baseline,
                           candidate=[as_teacher_forced(r) for r in ran], budget=budget, noise=noise)
     report.meta["sampled"] = {r.request_id: {"temperature": r.temperature, "seed": r.seed, "prompt_tokens":
