@@ -91,7 +91,7 @@ fetch-peers: $(STAMP)
 # cores) are left out: the other budgets produce every boundary event they do (tests/engine/test_vendored_vs_oracle.py);
 # `make compare COMPARE_SCENARIOS=all` runs them too. The exit status is the first non-zero one.
 COMPARE_MODELS ?= tiny-bamba tiny-granite
-COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype,tp,pp,-chunked_prefill-budget1-Q16,-chunked_prefill-budget2-Q16
+COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype,tp,pp,sampled,-chunked_prefill-budget1-Q16,-chunked_prefill-budget2-Q16
 compare: $(STAMP)
 	@status=0; for model in $(COMPARE_MODELS); do \
 		echo "== $$model"; \
