@@ -22,7 +22,10 @@ false-failure rate on the same workload (`make mutants-scale`, on a CUDA machine
    one that differs only where the clean engine's two runs differ too is "undetermined". A mutant that needs more
    GPUs than there are is listed so.
 4. Workers start only while a memory gate (MemoryGate: estimates in multiples of the checkpoint's size, measured)
-   leaves room on the GPU, so that processes sharing it do not run each other out of memory.
+   leaves room on the GPU, so that processes sharing it do not run each other out of memory. A mutant's worker (and
+   the repeat of seed 0) is admitted as an engine process and answers every oracle question from seed 0's cache; a
+   run the cache cannot answer (a sampled scenario whose draws the mutant changed) stops it, and it is started
+   again, its finished runs kept, as an oracle process.
 Outcomes per dtype: killed (a scenario FAILED or the engine raised: which, and by which check: "logprob" (the max
 budget), "token", "excess" (the noise-floor test), "shape", "error"), survived (with its largest max |Δ| / budget and
 largest excess ratio beside the clean runs' largest, the noise floor). A run that ran out of GPU memory is neither:
@@ -58,13 +61,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # SSM state through hundreds of hand-offs: a budget of 3 tokens a step makes every prompt hundreds of pieces (state
 # written and read back between each), and the long decode 128 single-token updates per request; a state that loses
 # a little precision at each hand-off shows there and hides in the others' few. The long generation (GPU only:
-# thousands of updates) is for the one bug 128 updates left at the noise floor (ssu-state-in-input-dtype).
+# The sampled long decode (last: it is the one whose oracle a mutant may have to compute itself) judges each drawn
+# continuation teacher-forced, where a greedy token's logprob hides a decode-state error: it killed the bug 128
+# greedy updates left at the noise floor (ssu-state-in-input-dtype). batching-long-generation (thousands of greedy
+# updates, 131 s a clean run) was in this list for that bug; it did not kill it and killed nothing the others missed
+# (sixth measurement, docs/scale.md), so it is no longer a default.
 DEFAULT_SCENARIOS = ("chunked_prefill-capped-budget640-cap256-Q256,cudagraph-on,batching-together,"
                      "chunked_prefill-budget257-Q256,preemption-blocks7x128-Q256,chunked_prefill-budget3-Q256,"
-                     "batching-long-decode,sampled-long-decode-T2,batching-long-generation")
+                     "batching-long-decode,sampled-long-decode-T2")
 REPEAT = "clean-seed0-repeat.jsonl"         # seed 0 again, in another process: which clean runs are reproducible
 DONE = {"done": True}                       # a results file's last line once its worker ran everything it had to
 OUT_OF_MEMORY = 3                           # a worker's exit status when a run ran out of GPU memory
+NEEDS_ORACLE = 4                            # a cache-only worker's exit status when a run needs the fp64 model
 OOM_ATTEMPTS, OOM_WAIT_S = 6, 10            # a run short of GPU memory waits for other processes this often, this long
 # GPU memory a worker takes, in multiples of the checkpoint's size on disk (bf16 for the scale models), until measured.
 # Measured on an H200 with bamba9b-2layer (4.1 GB), peak reserved memory per process over all seven scenarios and
@@ -124,6 +132,24 @@ def _out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
+class OracleNotCached(Exception):
+    """A cache-only worker's run needed a reference model the oracle cache does not answer for."""
+
+
+def cache_only_oracle(oracle_class):
+    """A subclass of the harness's Oracle that answers only from the results and errors it loaded (load_cache) and
+    raises OracleNotCached instead of loading a reference model. A mutant's process is admitted as an engine process
+    (a few GB) on that promise; only a run whose requests seed 0 never ran (a sampled scenario's draws, once the
+    mutant changed them) needs the fp64 model, and its worker is then started again as an oracle process."""
+
+    class CacheOnlyOracle(oracle_class):
+        def engine(self, dtype=None, ssm_state_dtype=None):
+            raise OracleNotCached(f"the oracle cache holds no reference result for this run "
+                                  f"({dtype or 'float64'}, SSM state {ssm_state_dtype or 'as the run'})")
+
+    return CacheOnlyOracle
+
+
 def worker(args) -> int:
     from harness.cli import prepare_environment
 
@@ -140,7 +166,7 @@ def worker(args) -> int:
     unknown = [s for s in scenarios if s not in by_id]
     if unknown:
         raise SystemExit(f"unknown scenarios {unknown}; this model has {', '.join(by_id)}")
-    oracle = Oracle(args.checkpoint, device=args.device)
+    oracle = (cache_only_oracle(Oracle) if args.cache_only else Oracle)(args.checkpoint, device=args.device)
     if args.cache and Path(args.cache).is_file():
         oracle.load_cache(args.cache)
     results = Path(args.results)
@@ -188,6 +214,10 @@ def worker(args) -> int:
                                    digest=_digest(report))
                     except ScenarioSkipped as skip:
                         row.update(verdict="SKIP", reason=str(skip))
+                    except OracleNotCached as err:            # not recorded: the driver starts an oracle process
+                        print(f"seed {seed} {sid} {dtype}: {err}; stopping for a process that holds the oracle",
+                              flush=True)
+                        return NEEDS_ORACLE
                     except Exception as err:                  # an engine that raises is caught, as the CLI says
                         if _out_of_memory(err):
                             print(f"seed {seed} {sid} {dtype}: out of GPU memory, not recorded: {err}", flush=True)
@@ -217,7 +247,7 @@ def worker(args) -> int:
 # ---- the driver --------------------------------------------------------------------------------------------------
 def _run_worker(tree: Path, results: Path, log: Path, *, checkpoint: Path, scenarios: str, dtypes: str, seeds: int,
                 device: str, cache: Path | None, save_cache: Path | None, timeout: int, seed_start: int = 0,
-                stop_at_kill: bool = False, repeat: bool = False) -> int:
+                stop_at_kill: bool = False, repeat: bool = False, cache_only: bool = False) -> int:
     cmd = [sys.executable, "-m", "mutants.scale", "--worker", "--checkpoint", str(checkpoint), "--scenarios",
            scenarios, "--dtypes", dtypes, "--seeds", str(seeds), "--seed-start", str(seed_start), "--device", device,
            "--results", str(results)]
@@ -225,6 +255,8 @@ def _run_worker(tree: Path, results: Path, log: Path, *, checkpoint: Path, scena
         cmd.append("--stop-at-kill")
     if repeat:
         cmd.append("--repeat")
+    if cache_only:
+        cmd.append("--cache-only")
     if cache is not None:
         cmd += ["--cache", str(cache)]
     if save_cache is not None:
@@ -456,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="mutant processes at a time on the GPU (fewer when the memory gate says so)")
     parser.add_argument("--stop-at-kill", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeat", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
     parser.add_argument("--time-limit", type=float, default=None,
@@ -528,14 +561,6 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
     gate = MemoryGate.for_device(args.device)
     size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     needs = {"oracle": ORACLE_PROCESS_X * size, "engine": ENGINE_PROCESS_X * size}
-    from harness.scenarios import build_scenarios
-    from reference.config import ModelConfig
-
-    cfg = ModelConfig.from_json(checkpoint)
-    if any(s.temperature > 0 for s in build_scenarios(cfg) if s.id in args.scenarios.split(",")):
-        # a sampled scenario is judged on the candidate's own draws: a process whose draws differ from clean seed
-        # 0's computes its oracle itself, so every process is an oracle process
-        needs["engine"] = needs["oracle"]
 
     def measured_oracle_need():
         """Seed 0's process held the fp64 oracle: its peak (per process, whatever else runs) is what another oracle
@@ -545,18 +570,23 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
             print(f"memory gate: an oracle process needs {measured / 1e9:.1f} GB (clean seed 0's peak; the estimate "
                   f"was {needs['oracle'] / 1e9:.1f} GB)", flush=True)
             needs["oracle"] = measured
-            if needs["engine"] > ENGINE_PROCESS_X * size:
-                needs["engine"] = measured
 
     def run(tree, results, log, *, need, **kwargs):
         """A worker (needing the memory of needs[need]), once the GPU has room for it, stopped at the deadline; -1
-        (not started or stopped) once the deadline has passed."""
-        with gate.hold(needs[need]):
-            left = args.timeout if deadline is None else min(args.timeout, int(deadline - time.monotonic()))
-            if left <= 0:
-                return -1
-            return _run_worker(tree, results, log, checkpoint=checkpoint, scenarios=args.scenarios,
-                               dtypes=args.dtypes, device=args.device, timeout=left, **kwargs)
+        (not started or stopped) once the deadline has passed. An engine worker judges against the oracle cache
+        alone; should a run need the fp64 model, the worker stops and is started again (its finished runs kept) as
+        an oracle process."""
+        for need, cache_only in ([("engine", True), ("oracle", False)] if need == "engine" else [(need, False)]):
+            with gate.hold(needs[need]):
+                left = args.timeout if deadline is None else min(args.timeout, int(deadline - time.monotonic()))
+                if left <= 0:
+                    return -1
+                status = _run_worker(tree, results, log, checkpoint=checkpoint, scenarios=args.scenarios,
+                                     dtypes=args.dtypes, device=args.device, timeout=left, cache_only=cache_only,
+                                     **kwargs)
+            if status != NEEDS_ORACLE:
+                return status
+        return status
 
     print(f"clean runs: {args.clean_seeds} seeds × {len(args.scenarios.split(','))} scenarios × "
           f"{len(args.dtypes.split(','))} dtypes; seed 0 first (its oracle results are every mutant's), the other "
@@ -597,8 +627,9 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
 
     try:
         # Every worker waits for the memory gate: the clean seed groups each hold the fp64 oracle and need nothing
-        # else, so they start at once, beside seed 0; a mutant or the repeat of seed 0 holds only an engine and
-        # judges against seed 0's cached oracle results, so they start once seed 0 has left its cache.
+        # else, so they start at once, beside seed 0; a mutant or the repeat of seed 0 holds only an engine (until a
+        # run needs more than the cache) and judges against seed 0's cached oracle results, so they start once seed
+        # 0 has left its cache.
         with ThreadPoolExecutor(max_workers=1 + len(groups)) as seeds_pool, \
                 ThreadPoolExecutor(max_workers=max(1, args.jobs)) as mutant_pool:
             seed_futures = [seeds_pool.submit(seed0)]

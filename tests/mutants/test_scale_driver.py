@@ -248,3 +248,85 @@ def test_clean_seeds_start_beside_seed_0_and_mutants_wait_for_its_oracle_cache(t
     assert all(start[f"clean-seeds{a}.jsonl"] < end["clean-seed0.jsonl"] for a in ("1-2", "3-4"))
     assert all(start[name] >= end["clean-seed0.jsonl"] for name in start
                if name.startswith("mutant-") or name == scale.REPEAT)
+
+
+def test_a_cache_only_oracle_answers_what_the_cache_holds_and_refuses_the_rest(tmp_path):
+    """A mutant's worker is admitted as an engine process on this promise: what seed 0 ran comes from its cache, bit
+    for bit, and anything else (another request, a reference model in another dtype) raises OracleNotCached instead
+    of loading the fp64 model."""
+    import torch
+
+    from harness.engine import Request
+    from harness.runner import Oracle
+    from mutants.scale import OracleNotCached, cache_only_oracle
+
+    checkpoint = "fixtures/tiny-bamba"
+    ran = Request("a", (1, 5, 9, 3), max_new_tokens=3)
+    full = Oracle(checkpoint)
+    expected = full.results([ran])[0]
+    full.save_cache(tmp_path / "cache.pt")
+    cached = cache_only_oracle(Oracle)(checkpoint)
+    with pytest.raises(OracleNotCached):              # nothing loaded yet
+        cached.results([ran])
+    cached.load_cache(tmp_path / "cache.pt")
+    got = cached.results([ran])[0]
+    assert got.output_ids == expected.output_ids and len(got.output_ids) == 3
+    assert torch.equal(got.prompt_logprobs, expected.prompt_logprobs)
+    assert torch.equal(got.output_logprobs, expected.output_logprobs)
+    with pytest.raises(OracleNotCached):              # a continuation seed 0 never drew
+        cached.results([ran.teacher_forced((7, 7, 7))])
+    with pytest.raises(OracleNotCached):              # the bf16 reference a budget needs, never computed
+        cached.budget([ran], torch.bfloat16)
+    assert not cached._engines                        # no reference model was loaded
+
+
+def test_a_mutant_worker_the_cache_cannot_answer_runs_again_as_an_oracle_process(tmp_path, monkeypatch):
+    """The two-phase gate: a mutant's worker starts cache-only under the engine estimate; when it stops for want of
+    the oracle (NEEDS_ORACLE) it is started again without the restriction, under the oracle estimate, and its status
+    is that second run's. A worker that finishes on the cache runs once."""
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    import mutants.run
+    from mutants import scale
+
+    calls, lock = [], threading.Lock()
+    held = []
+    real_hold = scale.MemoryGate.hold
+
+    def spy_hold(self, need):
+        held.append(need)
+        return real_hold(self, need)
+
+    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, cache_only=False, **kwargs):
+        with lock:
+            calls.append((results.name, cache_only, held[-1]))
+        if save_cache is not None:
+            save_cache.write_bytes(b"cache")
+        if results.name == "mutant-m1.jsonl" and cache_only:
+            results.write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=0, verdict="PASS")) + "\n")
+            return scale.NEEDS_ORACLE
+        rows = [dict(scenario=sid, dtype="bfloat16", seed=seed_start, verdict="PASS") for sid in ("s", "t")]
+        results.write_text("".join(json.dumps(r) + "\n" for r in rows) + json.dumps(scale.DONE) + "\n")
+        return 0
+
+    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    monkeypatch.setattr(scale.MemoryGate, "hold", spy_hold)
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"0" * 100)
+    args = SimpleNamespace(model_dir=str(model), model="m", resume=False, time_limit=None, device="cpu", jobs=1,
+                           scenarios="s,t", dtypes="bfloat16", clean_seeds=1, timeout=60)
+    judged = [SimpleNamespace(name=f"m{i}", apply=lambda tree: None) for i in range(2)]
+    (tmp_path / "out").mkdir()
+    statuses = scale._measure(args, tmp_path / "out", judged, [])
+    assert set(statuses) == {0}
+    oracle, engine = scale.ORACLE_PROCESS_X * 100, scale.ENGINE_PROCESS_X * 100
+    assert ("clean-seed0.jsonl", False, oracle) in calls
+    assert (scale.REPEAT, True, engine) in calls
+    assert [c for c in calls if c[0] == "mutant-m0.jsonl"] == [("mutant-m0.jsonl", True, engine)]
+    assert [c for c in calls if c[0] == "mutant-m1.jsonl"] == [("mutant-m1.jsonl", True, engine),
+                                                               ("mutant-m1.jsonl", False, oracle)]
