@@ -597,6 +597,10 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
     asked = dict(scenarios=args.scenarios.split(","), dtypes=args.dtypes.split(","))
 
     def seed0():
+        if not cache.is_file() and (out / "clean-seed0.jsonl").is_file():
+            # its oracle results are lost: seed 0 runs again from the start (the runs already recorded would be
+            # skipped, and the cache left empty), its old rows kept beside for comparison
+            (out / "clean-seed0.jsonl").replace(out / "clean-seed0.jsonl.without-cache")
         if not (_complete(out / "clean-seed0.jsonl", seeds=[0], **asked) and cache.is_file()):
             statuses.append(run(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", seeds=1, need="oracle",
                                 cache=cache if cache.is_file() else None, save_cache=cache))
@@ -662,8 +666,8 @@ def _report(args, out: Path, judged: list, skipped: dict[str, str], groups: list
         results = out / f"mutant-{m.name}.jsonl"
         if not _complete(results, seeds=[0], stop_at_kill=True, **asked):
             incomplete.append(results.name)
-        if results.is_file():
-            summaries.append(summarise(m.name, _read(results), seed0, dtypes, args.scenarios.split(",")))
+        # a mutant whose worker never started is in the table too ("not run"), so that the counts add up
+        summaries.append(summarise(m.name, _read(results), seed0, dtypes, args.scenarios.split(",")))
     for m in summaries:                 # the noise floor: every clean seed
         for d in dtypes:
             noise = [r for r in clean if r["dtype"] == d and r["verdict"] == "PASS"]

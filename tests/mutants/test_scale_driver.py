@@ -330,3 +330,56 @@ def test_a_mutant_worker_the_cache_cannot_answer_runs_again_as_an_oracle_process
     assert [c for c in calls if c[0] == "mutant-m0.jsonl"] == [("mutant-m0.jsonl", True, engine)]
     assert [c for c in calls if c[0] == "mutant-m1.jsonl"] == [("mutant-m1.jsonl", True, engine),
                                                                ("mutant-m1.jsonl", False, oracle)]
+
+
+def test_a_mutant_whose_worker_never_started_is_in_the_table_as_not_run(tmp_path):
+    import json
+
+    from mutants.scale import DONE, main
+
+    for name, rows in (("clean-seed0.jsonl", [_row("s", "bfloat16", "PASS", "aaa")]),
+                       ("clean-seed0-repeat.jsonl", [dict(_row("s", "bfloat16", "PASS", "aaa"), repeat=True)]),
+                       ("mutant-ssd-D-dropped.jsonl", [_row("s", "bfloat16", "FAIL", "ccc", checks=["logprob"])])):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows + [DONE]))
+    status = main(["--report-only", "--out", str(tmp_path), "--dtypes", "bfloat16", "--scenarios", "s",
+                   "--clean-seeds", "1", "--only", "ssd-D-dropped,ssu-D-dropped"])
+    text = (tmp_path / "table.md").read_text()
+    assert status == 1
+    assert "| ssu-D-dropped | not run |" in text
+    assert "bfloat16: 1 of 1 live engine mutants killed (100%); 0 not live; 0 undetermined, 0 incomplete, 1 not run" \
+        in text
+    assert "Incomplete (run again with --resume): mutant-ssu-D-dropped.jsonl" in text
+
+
+def test_seed_0_runs_again_when_its_oracle_cache_is_lost(tmp_path, monkeypatch):
+    """--resume with clean seed 0's rows but not its cache: the worker would skip every recorded run and leave an
+    empty cache, so the file is set aside and seed 0 runs from the start."""
+    import json
+    from types import SimpleNamespace
+
+    from mutants import scale
+
+    started = []
+
+    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, **kwargs):
+        started.append((results.name, results.is_file()))
+        if save_cache is not None:
+            save_cache.write_bytes(b"cache")
+        results.write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=0, verdict="PASS")) + "\n"
+                           + json.dumps(scale.DONE) + "\n")
+        return 0
+
+    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"0" * 100)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "clean-seed0.jsonl").write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=0, verdict="PASS"))
+                                           + "\n" + json.dumps(scale.DONE) + "\n")
+    args = SimpleNamespace(model_dir=str(model), model="m", resume=True, time_limit=None, device="cpu", jobs=1,
+                           scenarios="s", dtypes="bfloat16", clean_seeds=1, timeout=60)
+    assert set(scale._measure(args, out, [], [])) == {0}
+    assert ("clean-seed0.jsonl", False) in started          # started afresh, not on the old file
+    assert (out / "clean-seed0.jsonl.without-cache").is_file() and (out / "oracle-cache.pt").is_file()
