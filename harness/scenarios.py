@@ -299,6 +299,11 @@ def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
         Scenario(f"sampled-decode-T{T:g}", "sampled", EngineOptions(), decode,
                  f"the decode workload (batches of 6 down to 1 rows, up to 12 steps) with every continuation drawn "
                  f"at temperature {T:g} (seed = request index) and judged teacher-forced", temperature=T),
+        Scenario(f"sampled-cudagraph-T{T:g}", "sampled",
+                 EngineOptions(cuda_graphs=True, max_num_seqs=CUDAGRAPH_MAX_NUM_SEQS), graphs,
+                 f"cudagraph-on's workload (decode batches padded to captured sizes, padding rows and all) with every "
+                 f"continuation drawn at temperature {T:g}: a padding row's damage judged where greedy tokens hide it",
+                 needs_cuda=True, marks=("cudagraph", "gpu"), temperature=T),
         Scenario(f"sampled-long-decode-T{T:g}", "sampled", EngineOptions(), long_decode_shapes(Q, W),
                  f"{len(long_decode_shapes(Q, W))} requests drawing {LONG_DECODE_TOKENS} tokens each at temperature "
                  f"{T:g}, judged teacher-forced: every decode position as sensitive to a state that drifts as a "

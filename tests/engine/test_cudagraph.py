@@ -15,7 +15,7 @@ import torch
 from harness.adapters.vendored import VendoredEngine
 from harness.compare import compare_runs
 from harness.engine import EngineOptions, Request
-from harness.runner import check_relative
+from harness.runner import as_teacher_forced, check_relative, check_scenario
 from harness.scenarios import build_scenarios
 from reference.ops import gqa_attention_ref
 from vendored.engine.cudagraph import DecodeGraphRunner, capture_sizes
@@ -25,6 +25,7 @@ from vendored.engine.paged_attention import paged_decode_attention
 from .conftest import TINY_CFG
 
 SCENARIOS = {s.id: s for s in build_scenarios(TINY_CFG) if s.kind == "cudagraph"}
+SCENARIOS_SAMPLED = {s.id: s for s in build_scenarios(TINY_CFG) if s.kind == "sampled"}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = [pytest.param(("cpu", torch.float32), id="cpu-fp32"),
            pytest.param(("cuda", torch.float32), id="cuda-fp32", marks=[pytest.mark.gpu, needs_cuda]),
@@ -172,12 +173,15 @@ def test_cudagraph_workload_matches_oracle(device_dtype, tiny_oracle, tiny_promp
 
 
 @pytest.mark.cudagraph
+@pytest.mark.parametrize("temperature", [0.0, 2.0], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("device_dtype", DEVICES)
-def test_nan_in_unowned_memory_never_reaches_a_live_request(device_dtype, tiny_oracle, tiny_prompts, monkeypatch):
+def test_nan_in_unowned_memory_never_reaches_a_live_request(device_dtype, temperature, tiny_oracle, tiny_prompts,
+                                                            monkeypatch):
     """Before every padded step (before every replay on CUDA) the free slots, the pad slot, the free K/V blocks, the
     pad block and the positions past each context are NaN. Three requests decode in a batch of 3 (one padding row);
     a fourth waits for the slot the one-token request frees, while that slot is NaN. Outputs stay finite and match
-    the oracle."""
+    the oracle. Sampled: every continuation drawn (steps holding sampling requests replay the graph too, without
+    running ahead), judged teacher-forced on the drawn tokens."""
     device, dtype = device_dtype
     poisoned = []
     original_run = DecodeGraphRunner.run
@@ -189,16 +193,32 @@ def test_nan_in_unowned_memory_never_reaches_a_live_request(device_dtype, tiny_o
 
     monkeypatch.setattr(DecodeGraphRunner, "run", run_poisoned)
     shapes = [(5, 4), (1, 2), (17, 5), (3, 3)]
-    requests = [Request(f"r{i}-len{n}", tiny_prompts.tokens(n, i), new, 5, 0, True) for i, (n, new) in enumerate(shapes)]
+    requests = [Request(f"r{i}-len{n}", tiny_prompts.tokens(n, i), new, 5, 0, True, temperature=temperature, seed=i)
+                for i, (n, new) in enumerate(shapes)]
     options = EngineOptions(cuda_graphs=True, max_num_seqs=3)
     results, (launches, padding_rows, _) = run_counted(device, dtype, tiny_oracle, requests, options)
     assert poisoned and padding_rows > 0, f"poisoned steps {poisoned}, padded sizes {launches}"
     for result in results:
         assert torch.isfinite(result.prompt_logprobs).all() and torch.isfinite(result.output_logprobs).all(), (
             f"{result.request_id}: NaN reached a live request")
+    if temperature > 0:                 # judged on the drawn tokens, as the sampled scenarios judge them
+        requests = [r.teacher_forced(res.output_ids) for r, res in zip(requests, results)]
+        results = [as_teacher_forced(res) for res in results]
     report = compare_runs(scenario=f"cudagraph-nan-poison-{device}", requests=requests,
                           baseline=tiny_oracle.results(requests), candidate=results,
                           budget=tiny_oracle.budget(requests, dtype))
+    assert report.passed, report.message()
+
+
+@pytest.mark.cudagraph
+@pytest.mark.parametrize("device_dtype", SLOW_ON_CPU)
+def test_sampled_cudagraph_workload_passes_the_judge(device_dtype, tiny_oracle, tiny_prompts):
+    """sampled-cudagraph-T2: cudagraph-on's padded decode batches with every continuation drawn, judged
+    teacher-forced on the drawn tokens (on a CPU through the same padded static step, run eagerly)."""
+    device, dtype = device_dtype
+    scenario = replace(SCENARIOS_SAMPLED["sampled-cudagraph-T2"], needs_cuda=False)
+    report = check_scenario(engine_class(device), scenario, oracle=tiny_oracle, source=tiny_prompts, dtype=dtype,
+                            device=device)
     assert report.passed, report.message()
 
 

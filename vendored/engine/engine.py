@@ -178,7 +178,8 @@ class LLMEngine:
         """Queue a request; EngineError naming the request (and the position) if the engine cannot serve it.
         keep_rows: return every position's full log-softmax row; prompt_top: the top-k at prompt positions too;
         sampling: draw each new token (vendored/engine/sampling.py) instead of taking the greedy one; its logprob is
-        still the model's. A sampling request's decode steps run eagerly, outside the CUDA graphs."""
+        still the model's. A step holding a sampling request replays the CUDA graph (padding rows included) but is
+        not run one step ahead: the draw is made from the step's logits after the replay."""
         self._check_open()
         prompt = self._checked_prompt(request_id, prompt, max_new_tokens)
         if sampling is not None and not isinstance(sampling, SamplingParams):
@@ -221,10 +222,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished (their outputs complete).
 
-        A decode-only step that goes through the CUDA-graph runner, for sequences that do not keep whole rows, runs
-        one step ahead of its results: its ranking is queued on the device, each sequence gets a PENDING output id
-        (counts, finishing and the next schedule need no token value), and the step before it is read back only
-        after this one is queued, so the host's bookkeeping overlaps the device's forward. The next step feeds the
+        A decode-only step that goes through the CUDA-graph runner, for sequences that neither keep whole rows nor
+        sample, runs one step ahead of its results: its ranking is queued on the device, each sequence gets a
+        PENDING output id (counts, finishing and the next schedule need no token value), and the step before it is
+        read back only after this one is queued, so the host's bookkeeping overlaps the device's forward. The next step feeds the
         pending tokens from the device. Any other step, and the last step of the work queued, reads everything back
         first. Outputs, tokens and logprobs are those of the synchronous order; a request that finished in a step
         run ahead is returned by the step after it."""
@@ -233,9 +234,8 @@ class LLMEngine:
         if not pieces:
             raise EngineError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting and "
                               f"{len(self.scheduler.running)} running requests")
-        graphed = (self.graphs is not None and self.graphs.handles(pieces)
-                   and not any(p.seq.sampling is not None for p in pieces))
-        if graphed and not any(p.seq.keep_rows for p in pieces):
+        graphed = self.graphs is not None and self.graphs.handles(pieces)
+        if graphed and not any(p.seq.keep_rows or p.seq.sampling is not None for p in pieces):
             previous, self._ahead = self._ahead, None
             ahead = self._launch_decode(pieces)
             self.steps += 1
