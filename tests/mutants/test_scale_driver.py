@@ -17,6 +17,20 @@ def _row(scenario, dtype, verdict, digest, *, seed=0, max_delta=0.1, excess=None
                 first_failure="x: positions all: ..." if verdict == "FAIL" else "")
 
 
+def _fake_measurement(tmp_path, **changes):
+    """A model directory the driver accepts (a config and 100 bytes of weights) and _measure's arguments."""
+    from types import SimpleNamespace
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"0" * 100)
+    (tmp_path / "out").mkdir()
+    args = dict(model_dir=str(model), model="m", resume=False, time_limit=None, device="cpu", jobs=1,
+                scenarios="s", dtypes="bfloat16", clean_seeds=1, timeout=60)
+    return SimpleNamespace(**{**args, **changes}), tmp_path / "out"
+
+
 def test_only_engine_mutants_are_judged():
     assert classify_mutant(MUTANTS["ssd-D-dropped"]) is None
     assert "not an engine mutant" in classify_mutant(MUTANTS["judge-budget-without-atol"])
@@ -231,15 +245,9 @@ def test_clean_seeds_start_beside_seed_0_and_mutants_wait_for_its_oracle_cache(t
 
     monkeypatch.setattr(scale, "_run_worker", fake_worker)
     monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"0" * 100)
-    args = SimpleNamespace(model_dir=str(model), model="m", resume=False, time_limit=None, device="cpu", jobs=2,
-                           scenarios="s", dtypes="bfloat16", clean_seeds=5, timeout=60)
+    args, out = _fake_measurement(tmp_path, jobs=2, clean_seeds=5)
     judged = [SimpleNamespace(name=f"m{i}", apply=lambda tree: None) for i in range(3)]
-    (tmp_path / "out").mkdir()
-    statuses = scale._measure(args, tmp_path / "out", judged, scale._seed_groups(5, 2))
+    statuses = scale._measure(args, out, judged, scale._seed_groups(5, 2))
     assert set(statuses) == {0}
     start = {name: t for kind, name, t in events if kind == "start"}
     end = {name: t for kind, name, t in events if kind == "end"}
@@ -314,15 +322,9 @@ def test_a_mutant_worker_the_cache_cannot_answer_runs_again_as_an_oracle_process
     monkeypatch.setattr(scale, "_run_worker", fake_worker)
     monkeypatch.setattr(scale.MemoryGate, "hold", spy_hold)
     monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"0" * 100)
-    args = SimpleNamespace(model_dir=str(model), model="m", resume=False, time_limit=None, device="cpu", jobs=1,
-                           scenarios="s,t", dtypes="bfloat16", clean_seeds=1, timeout=60)
+    args, out = _fake_measurement(tmp_path, scenarios="s,t")
     judged = [SimpleNamespace(name=f"m{i}", apply=lambda tree: None) for i in range(2)]
-    (tmp_path / "out").mkdir()
-    statuses = scale._measure(args, tmp_path / "out", judged, [])
+    statuses = scale._measure(args, out, judged, [])
     assert set(statuses) == {0}
     oracle, engine = scale.ORACLE_PROCESS_X * 100, scale.ENGINE_PROCESS_X * 100
     assert ("clean-seed0.jsonl", False, oracle) in calls
@@ -355,7 +357,6 @@ def test_seed_0_runs_again_when_its_oracle_cache_is_lost(tmp_path, monkeypatch):
     """--resume with clean seed 0's rows but not its cache: the worker would skip every recorded run and leave an
     empty cache, so the file is set aside and seed 0 runs from the start."""
     import json
-    from types import SimpleNamespace
 
     from mutants import scale
 
@@ -370,16 +371,9 @@ def test_seed_0_runs_again_when_its_oracle_cache_is_lost(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(scale, "_run_worker", fake_worker)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"0" * 100)
-    out = tmp_path / "out"
-    out.mkdir()
+    args, out = _fake_measurement(tmp_path, resume=True)
     (out / "clean-seed0.jsonl").write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=0, verdict="PASS"))
                                            + "\n" + json.dumps(scale.DONE) + "\n")
-    args = SimpleNamespace(model_dir=str(model), model="m", resume=True, time_limit=None, device="cpu", jobs=1,
-                           scenarios="s", dtypes="bfloat16", clean_seeds=1, timeout=60)
     assert set(scale._measure(args, out, [], [])) == {0}
     assert ("clean-seed0.jsonl", False) in started          # started afresh, not on the old file
     assert (out / "clean-seed0.jsonl.without-cache").is_file() and (out / "oracle-cache.pt").is_file()
