@@ -57,14 +57,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Richest first: a mutant stops at the first scenario that kills it (capped chunked prefill has chunk and piece
-# boundaries and continuing prefills side by side; cudagraph-on is the decode-heavy one). The last two carry the
-# SSM state through hundreds of hand-offs: a budget of 3 tokens a step makes every prompt hundreds of pieces (state
-# written and read back between each), and the long decode 128 single-token updates per request; a state that loses
-# a little precision at each hand-off shows there and hides in the others' few. The sampled long decode (last: it is the one whose oracle a mutant may have to compute itself) judges each drawn
-# continuation teacher-forced, where a greedy token's logprob hides a decode-state error: it killed the bug 128
-# greedy updates left at the noise floor (ssu-state-in-input-dtype). batching-long-generation (thousands of greedy
-# updates, 131 s a clean run) was in this list for that bug; it did not kill it and killed nothing the others missed
-# (sixth measurement, docs/scale.md), so it is no longer a default.
+# boundaries and continuing prefills side by side; cudagraph-on is the decode-heavy one). The next-to-last two carry
+# the SSM state through hundreds of hand-offs: a budget of 3 tokens a step makes every prompt hundreds of pieces
+# (state written and read back between each), and the long decode 128 single-token updates per request; a state that
+# loses a little precision at each hand-off shows there and hides in the others' few. The sampled long decode (last:
+# it is the one whose oracle a mutant may have to compute itself) judges each drawn continuation teacher-forced,
+# where a greedy token's logprob hides a decode-state error: it killed the bug 128 greedy updates left at the noise
+# floor (ssu-state-in-input-dtype). batching-long-generation (thousands of greedy updates, 131 s a clean run) was in
+# this list for that bug; it did not kill it and killed nothing the others missed (sixth measurement,
+# docs/scale.md), so it is no longer a default.
 DEFAULT_SCENARIOS = ("chunked_prefill-capped-budget640-cap256-Q256,cudagraph-on,batching-together,"
                      "chunked_prefill-budget257-Q256,preemption-blocks7x128-Q256,chunked_prefill-budget3-Q256,"
                      "batching-long-decode,sampled-long-decode-T2")
