@@ -2,7 +2,7 @@
 false-failure rate on the same workload (`make mutants-scale`, on a CUDA machine; docs/scale.md).
 
     python -m mutants.scale [--model bamba9b-2layer] [--dtypes bfloat16,float32] [--scenarios ID,...]
-                            [--clean-seeds 20] [--clean-procs 2] [--only NAME,...] [--jobs 3] [--out DIR]
+                            [--clean-seeds 20] [--clean-procs 1] [--only NAME,...] [--jobs 4] [--out DIR]
                             [--resume] [--report-only]
 
 1. The model (harness/scale.py) is written to --model-dir unless it is there.
@@ -42,6 +42,7 @@ import argparse
 import gc
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -437,7 +438,8 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
 
 
 def plot(mutants: list[dict], dtypes: list[str], path: Path) -> bool:
-    """Each live mutant's largest excess ratio per dtype beside the clean runs' largest (the noise floor)."""
+    """Each live mutant's largest max |Δ| / budget per dtype beside the clean runs' largest (the noise floor). A
+    non-finite value (an engine that returned inf or NaN) is drawn past the largest finite one, marked "inf"."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -450,8 +452,13 @@ def plot(mutants: list[dict], dtypes: list[str], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 0.3 * len(live) + 2), squeeze=False)
     for ax, d in zip(axes[0], dtypes):
         values = [m[d]["max_delta_over_budget"] or 0.0 for m in live]
+        cap = 3 * max([v for v in values if math.isfinite(v)] + [1.0])
         colors = ["tab:red" if m[d]["outcome"] == "killed" else "tab:gray" for m in live]
-        ax.barh([m["name"] for m in live], values, color=colors)
+        bars = ax.barh([m["name"] for m in live], [v if math.isfinite(v) else cap for v in values], color=colors)
+        for bar, v in zip(bars, values):
+            if not math.isfinite(v):
+                bar.set_hatch("//")
+                ax.text(cap, bar.get_y() + bar.get_height() / 2, " inf", va="center", fontsize=7)
         ax.axvline(1.0, color="black", lw=1, label="budget")
         clean = live[0][d]["clean_max_delta_over_budget"]
         if clean is not None:

@@ -3,6 +3,8 @@ beside the clean runs, and the table. (Its GPU runs are measured in docs/scale.m
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mutants.mutant import load_all
@@ -377,3 +379,23 @@ def test_seed_0_runs_again_when_its_oracle_cache_is_lost(tmp_path, monkeypatch):
     assert set(scale._measure(args, out, [], [])) == {0}
     assert ("clean-seed0.jsonl", False) in started          # started afresh, not on the old file
     assert (out / "clean-seed0.jsonl.without-cache").is_file() and (out / "oracle-cache.pt").is_file()
+
+
+def test_the_plot_draws_a_non_finite_effect_past_every_finite_one(tmp_path, monkeypatch):
+    """An engine that returned inf (ssd-chunk-to-sequence-off-by-one in bf16) is the largest effect, not a missing
+    bar: it is drawn past the largest finite value, hatched."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from mutants.scale import plot
+
+    clean = [_row("s", "bfloat16", "PASS", "aaa")]
+    mutants = [summarise("finite", [_row("s", "bfloat16", "FAIL", "b", max_delta=3.0)], clean, ["bfloat16"]),
+               summarise("inf", [_row("s", "bfloat16", "FAIL", "c", max_delta=float("inf"))], clean, ["bfloat16"])]
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    assert plot(mutants, ["bfloat16"], tmp_path / "power.png")
+    bars = {b.get_y(): b for b in saved[0].axes[0].patches}
+    widths = [b.get_width() for _, b in sorted(bars.items())]
+    assert all(map(math.isfinite, widths)) and widths[1] > widths[0] == 3.0
+    assert [b.get_hatch() for _, b in sorted(bars.items())] == [None, "//"]
