@@ -163,6 +163,65 @@ def test_row_kernel_equals_tiles_bit_for_bit(monkeypatch):
     assert torch.equal(results[0][1], results[1][1]), "conv_states differ"
 
 
+def _tiles_and_rows(monkeypatch, lengths, has_initial, *, width=W, seed=0, block_t=8, rows_per_step=3):
+    """causal_conv1d's outputs and pool after the 2-D tiles with the final-window launch, and after the row kernel
+    alone (which writes the final windows itself), on one packed batch (empty sequences allowed)."""
+    gen = torch.Generator().manual_seed(seed)
+    c = channels(1)
+    x, weight, bias = (t.to(DEVICE) for t in conv_inputs(gen, sum(lengths), c, width, with_bias=True,
+                                                           strided=False))
+    pool = torch.randn(N_SLOTS, c, width - 1, generator=gen).to(DEVICE)
+    slots = torch.randperm(N_SLOTS, generator=gen)[:len(lengths)]
+    index = dict(cu_seqlens=torch.tensor([0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist(),
+                                         dtype=torch.int32, device=DEVICE),
+                 state_indices=slots.to(device=DEVICE, dtype=torch.int32),
+                 has_initial_state=torch.tensor(has_initial, dtype=torch.bool, device=DEVICE))
+    results = []
+    for tile_t, rows in ((8, 0), (block_t, rows_per_step)):                # the 2-D tiles need a power of 2
+        launch_with(monkeypatch, block_t=tile_t, block_c=64, rows_per_step=rows)
+        states = pool.clone()
+        results.append((causal_conv1d(x, weight, bias, states, **index), states))
+    return results
+
+
+def test_row_kernel_owner_at_every_block_offset(monkeypatch):
+    # One launch: the program whose block holds a sequence's first token reads its slot, computes its first W-1
+    # outputs even past the block's end, and writes its final window; no other program touches the slot. A short
+    # sequence (1 to W+1 tokens, with an initial window or without, alternately) starts at every offset of a
+    # 6-token block, between a sequence ending there and one it hands its last tokens to.
+    for offset in range(6):
+        for length in range(1, W + 2):
+            initial = (offset + length) % 2 == 0
+            lengths = [offset, length, 9] if offset else [length, 9]
+            (out_tiles, pool_tiles), (out_rows, pool_rows) = _tiles_and_rows(
+                monkeypatch, lengths, [True, initial, True][-len(lengths):], seed=offset * 10 + length, block_t=6,
+                rows_per_step=4)
+            case = f"offset {offset}, length {length}, initial window {initial}"
+            assert torch.equal(out_rows, out_tiles), f"out differs from the tiles': {case}"
+            assert torch.equal(pool_rows, pool_tiles), f"conv_states differ from the tiles': {case}"
+
+
+@pytest.mark.parametrize("width", [2, 3, 4], ids=lambda w: f"W{w}")
+def test_row_kernel_empty_sequences_keep_or_clear_their_windows(width, monkeypatch):
+    # Empty sequences at the start, in the middle, at a block edge and after the last token, with and without an
+    # initial window (kept, or cleared to zeros); and a batch of only empty sequences (no token: one block still runs).
+    for lengths, initial in [([0, 3, 0, 5, 0, 8, 0, 0], [True, False, False, True, True, False, True, False]),
+                             ([0, 0, 0], [True, False, True])]:
+        (out_tiles, pool_tiles), (out_rows, pool_rows) = _tiles_and_rows(monkeypatch, lengths, initial, width=width,
+                                                                         seed=width)
+        assert torch.equal(out_rows, out_tiles), f"out differs from the tiles': {lengths}"
+        assert torch.equal(pool_rows, pool_tiles), f"conv_states differ from the tiles': {lengths}"
+
+
+def test_rejects_tokens_without_sequences():
+    x = torch.zeros(3, channels(1), device=DEVICE)
+    with pytest.raises(ValueError, match="3 tokens but cu_seqlens names no sequence"):
+        causal_conv1d(x, torch.zeros(channels(1), W, device=DEVICE), None,
+                      torch.zeros(N_SLOTS, channels(1), W - 1, device=DEVICE),
+                      torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(0, dtype=torch.int32, device=DEVICE),
+                      torch.zeros(0, dtype=torch.bool, device=DEVICE))
+
+
 def test_one_sequence_in_a_large_pool_without_initial_state():
     run_and_check([Q + 1], [False], n_slots=32, seed=2)
 

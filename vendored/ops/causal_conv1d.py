@@ -11,9 +11,12 @@ Two entry points, twins of `reference.ops.causal_conv1d_ref` and `causal_conv1d_
 Arithmetic is fp32 inside the kernels whatever the storage dtypes are (the Triton interpreter cannot compute in
 bf16, and fp32 accumulation is what a careful kernel does anyway).
 
-Prefill runs two launches: the convolution, which reads initial windows, then the final-window write, which
-overwrites the same slots. One launch could not do both without a race between the program that reads a slot
-(the first tokens of a sequence) and the one that writes it (the last tokens).
+Prefill on a GPU is one launch of the row kernel, which writes the final windows too. A slot is read (the initial
+window, at a sequence's first tokens) and written (the final window) by one program only, the sequence's owner:
+the program whose token block holds the sequence's first token. It computes the sequence's first W-1 outputs even
+where they lie past its block (the only outputs that need the initial window), so no other program reads the slot,
+and it writes the final windows after all its reads. The 2-D tiles (the interpreter's launch) read initial windows
+in whichever tile holds a sequence's first tokens, so there the final windows are a second launch, after them.
 
 Both ops are memory-bound: every tile runs along the channels (stride 1 in the channel-last layouts of the mixer's
 projection and of vLLM's pool), so loads and stores are 16-byte vectors when the strides allow. Tiles, warps and
@@ -151,10 +154,23 @@ def _causal_conv1d_fwd_kernel(
 
 
 @triton.jit
+def _lower_bound(cu_seqlens_ptr, n_seqs, target, n_steps):
+    """The first b in [0, n_seqs] with cu_seqlens[b] >= target (n_seqs if none): n_steps = ceil(log2(n_seqs + 1))
+    halvings, each reading inside cu_seqlens whatever its values."""
+    lo = 0
+    hi = n_seqs
+    for _ in range(n_steps):
+        mid = (lo + hi) // 2
+        below = tl.load(cu_seqlens_ptr + mid) < target
+        lo, hi = tl.where((lo < hi) & below, mid + 1, lo), tl.where((lo < hi) & ~below, mid, hi)
+    return lo
+
+
+@triton.jit
 def _causal_conv1d_rows_fwd_kernel(
     x_ptr, weight_ptr, bias_ptr, conv_states_ptr, cu_seqlens_ptr, state_indices_ptr, has_initial_state_ptr,
     out_ptr,
-    n_tokens, n_channels, n_seqs, n_search_steps,
+    n_tokens, n_channels, n_seqs, n_search_steps, n_bound_steps,
     stride_x_t, stride_x_c,
     stride_weight_c, stride_weight_w,
     stride_bias_c,
@@ -165,19 +181,27 @@ def _causal_conv1d_rows_fwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ROWS_PER_STEP: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """The same outputs as _causal_conv1d_fwd_kernel (bit for bit), computed row after row: tokens t0..t0+BLOCK_T-1
-    for BLOCK_C channels, the window (the W-1 entries before the current token) carried in registers. Each input
-    row is loaded once (and the W-1 before the block once more), ROWS_PER_STEP rows at a time so that their loads
-    are in flight together; at a sequence's first token the window becomes its initial window (zeros without one)."""
+    """The same outputs and final windows as _causal_conv1d_fwd_kernel followed by the final-window kernel (bit for
+    bit), in one launch, computed row after row: tokens t0..t0+BLOCK_T-1 for BLOCK_C channels, the window (the W-1
+    entries before the current token) carried in registers. Each input row is loaded once (and the W-1 before the
+    block once more), ROWS_PER_STEP rows at a time so that their loads are in flight together.
+
+    The program owns the sequences that start in its block (the last block also those starting at n_tokens: empty
+    trailing ones): at an owned sequence's first token the window becomes its initial window (zeros without one),
+    its first W-1 outputs are computed here even past the block's end, and its final window is written here, after
+    every read. At the first token of a sequence it does not own the window starts from zeros, and its outputs
+    before the sequence's W-1th token are left to the owner: so a slot is touched by one program only. The grid has
+    at least one token block whenever there are sequences (all of them empty included)."""
     pid = tl.program_id(0)
     if CHANNELS_FASTEST:
         n_blocks_c = tl.cdiv(n_channels, BLOCK_C)
         pid_t, pid_c = pid // n_blocks_c, pid % n_blocks_c
     else:
-        n_blocks_t = tl.cdiv(n_tokens, BLOCK_T)
+        n_blocks_t = tl.maximum(tl.cdiv(n_tokens, BLOCK_T), 1)
         pid_t, pid_c = pid % n_blocks_t, pid // n_blocks_t
     t0 = pid_t * BLOCK_T
     t_end = tl.minimum(t0 + BLOCK_T, n_tokens)
+    is_last = t0 + BLOCK_T >= n_tokens
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                  # (BLOCK_C,)
     mask_c = offs_c < n_channels
     if USE_PDL:
@@ -202,20 +226,30 @@ def _causal_conv1d_rows_fwd_kernel(
     seq_start = tl.load(cu_seqlens_ptr + seq)
     next_start = tl.load(cu_seqlens_ptr + seq + 1)
     t = tl.maximum(t0 - (WIDTH - 1), seq_start)
+    # The owned sequences [b_first, b_end): the first b with cu_seqlens[b] >= t0, and with cu_seqlens[b] >= t_end
+    # (n_seqs in the last block). The last of them may run past the block: its first W-1 tokens are this
+    # program's, so the rows go on to t_stop.
+    b_first = _lower_bound(cu_seqlens_ptr, n_seqs, t0, n_bound_steps)
+    b_end = tl.where(is_last, n_seqs, _lower_bound(cu_seqlens_ptr, n_seqs, t_end, n_bound_steps))
+    t_stop = t_end
+    if b_end > b_first:
+        last_start = tl.load(cu_seqlens_ptr + b_end - 1)
+        last_end = tl.load(cu_seqlens_ptr + b_end)
+        t_stop = tl.maximum(t_end, tl.minimum(tl.minimum(last_start + WIDTH - 1, last_end), n_tokens))
     window = ()
     for j in tl.static_range(WIDTH - 1):
         window = window + (tl.zeros([BLOCK_C], dtype=tl.float32),)    # W-1 x (BLOCK_C,); set before it is read
     x_cols = x_ptr + offs_c * stride_x_c
     out_cols = out_ptr + offs_c * stride_out_c
     state_cols = conv_states_ptr + offs_c * stride_states_c
-    while t < t_end:
+    while t < t_stop:
         x_rows = ()
         for u in tl.static_range(ROWS_PER_STEP):
-            row_ok = (t + u >= 0) & (t + u < t_end)                    # >= 0 unless cu_seqlens is bad
+            row_ok = (t + u >= 0) & (t + u < t_stop)                   # >= 0 unless cu_seqlens is bad
             x_row = tl.load(x_cols + (t + u).to(tl.int64) * stride_x_t, mask=mask_c & row_ok, other=0.0)
             x_rows = x_rows + (x_row,)
         for u in tl.static_range(ROWS_PER_STEP):
-            if t + u < t_end:
+            if t + u < t_stop:
                 while (next_start <= t + u) & (seq < n_seqs - 1):      # into the next sequence (past empty ones)
                     seq += 1
                     seq_start = next_start
@@ -223,6 +257,7 @@ def _causal_conv1d_rows_fwd_kernel(
                 if t + u == seq_start:                                 # a sequence's first token: its initial window
                     slot = tl.load(state_indices_ptr + seq).to(tl.int64)
                     reads = (tl.load(has_initial_state_ptr + seq) != 0) & (slot >= 0) & (slot < n_slots)
+                    reads = reads & (seq_start >= t0)                  # the owner's alone
                     window = ()
                     for j in tl.static_range(WIDTH - 1):
                         column = tl.load(state_cols + slot * stride_states_s + j * stride_states_w,
@@ -237,10 +272,35 @@ def _causal_conv1d_rows_fwd_kernel(
                     acc += bias
                 if APPLY_SILU:
                     acc = _silu(acc)
+                # Rows before t0 only fill the window; a sequence's first W-1 rows are its owner's.
+                mine = (t + u >= t0) & ((seq_start >= t0) | (t + u >= seq_start + WIDTH - 1))
                 tl.store(out_cols + (t + u).to(tl.int64) * stride_out_t, acc.to(out_ptr.dtype.element_ty),
-                         mask=mask_c & (t + u >= t0))                  # rows before t0 only fill the window
+                         mask=mask_c & mine)
                 window = window[1:] + (x_now,)
         t += ROWS_PER_STEP
+
+    # The owned sequences' final windows: entry length + i of [initial | inputs] is column i. Every read (those of
+    # the rows above included) before the first store, since a new column may be an old one.
+    for b in range(b_first, b_end):
+        start = tl.load(cu_seqlens_ptr + b)
+        length = tl.load(cu_seqlens_ptr + b + 1) - start
+        slot = tl.load(state_indices_ptr + b).to(tl.int64)
+        has_initial = tl.load(has_initial_state_ptr + b) != 0
+        in_pool = mask_c & (slot >= 0) & (slot < n_slots)              # false only for bad slots
+        slot_cols = state_cols + slot * stride_states_s
+        columns = ()
+        for i in tl.static_range(WIDTH - 1):
+            entry = length + i
+            token = start + entry - (WIDTH - 1)                        # the input, when entry >= W-1
+            x_val = tl.load(x_cols + token.to(tl.int64) * stride_x_t,
+                            mask=in_pool & (entry >= WIDTH - 1) & (token >= 0) & (token < n_tokens), other=0.0)
+            old_val = tl.load(slot_cols + entry * stride_states_w,
+                              mask=in_pool & (entry < WIDTH - 1) & (entry >= 0) & has_initial, other=0.0)
+            columns = columns + (x_val.to(tl.float32) + old_val.to(tl.float32),)
+        tl.debug_barrier()
+        for i in tl.static_range(WIDTH - 1):
+            tl.store(slot_cols + i * stride_states_w, columns[i].to(conv_states_ptr.dtype.element_ty),
+                     mask=in_pool & (length + i >= 0))
 
 
 @triton.jit
@@ -418,15 +478,19 @@ class UpdateLaunch(NamedTuple):
 
 
 def _prefill_launch(n_tokens: int, n_channels: int, device: torch.device) -> PrefillLaunch:
-    """GPU: the row kernel, 256 channels a 1-warp program (8 a thread: 16-byte bf16 loads), 8 rows in flight a step,
+    """GPU: the row kernel, 128 channels a 1-warp program (4 a thread: 8-byte bf16 loads), 8 rows in flight a step,
     29 tokens a program (with the W-1 = 3 rows before them, 32 rows: 4 whole steps). It loads every input once and
-    needs ~128 registers a thread without spilling, where the 2-D tiles load each input W times (from L1/L2 after the
-    first) and a 32 x 256 tile of 4 warps needs 255 and spills (ptxas -v, sm_90). One sequence per final-window
-    program. Interpreter, where every program costs the same fixed time whatever its size: 64 x 128 2-D tiles and 4
-    sequences a program, smaller than the test shapes so that tests cross tile edges (tests run the row kernel too).
-    bench/sweep_conv.py times the alternatives on a GPU."""
+    does not spill, where the 2-D tiles load each input W times (from L1/L2 after the first) and a 32 x 256 tile of
+    4 warps needs 255 registers and spills (ptxas -v, sm_90). The row kernel writes the final windows itself: one
+    launch, where two launches' host time was what lost at 2K tokens (state_block_* unused). 128 channels rather
+    than 256 a program: twice the programs, which a 2K-token call needs to fill the GPU; on an H200 (2026-12-04,
+    bench/results/2026-12-04-h200-conv-one-launch) device time 29.3 against 34.5 µs at 2K tokens in one sequence,
+    31.2 against 37.8 in 8, 363 against 397 µs at 32K, 408 against 439 in 8.
+    Interpreter, where every program costs the same fixed time whatever its size: 64 x 128 2-D tiles and 4 sequences
+    a final-window program, smaller than the test shapes so that tests cross tile edges (tests run the row kernel
+    too). bench/sweep_conv.py times the alternatives on a GPU."""
     if device.type == "cuda":
-        return PrefillLaunch(block_t=29, block_c=256, num_warps=1, channels_fastest=True, rows_per_step=8,
+        return PrefillLaunch(block_t=29, block_c=128, num_warps=1, channels_fastest=True, rows_per_step=8,
                              state_block_b=1, state_block_c=256, pdl=True)
     return PrefillLaunch(block_t=64, block_c=128, num_warps=4, channels_fastest=True, rows_per_step=0,
                          state_block_b=4, state_block_c=128, pdl=False)
@@ -486,6 +550,8 @@ def causal_conv1d(
     _expect_dtype("has_initial_state", has_initial_state, (torch.bool,) + _INDEX_DTYPES)
     for name, t in (("cu_seqlens", cu_seqlens), ("has_initial_state", has_initial_state)):
         _expect(f"{name}.device", "the device of x,", x.device, t.device)
+    if n_seqs == 0 and n_tokens > 0:
+        raise ValueError(f"x has {n_tokens} tokens but cu_seqlens names no sequence (state_indices is empty)")
     check = (start_index_check(cu_seqlens, state_indices, n_tokens, conv_states.shape[0]) if check_indices
              else no_check)
     out = torch.empty((n_tokens, n_channels), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -493,13 +559,16 @@ def causal_conv1d(
     if not _tile_offsets_fit_int32(x, launch.block_t + width, launch.block_c):
         x = x.contiguous()                                             # a stride so large is no layout to optimise
     bias_arg = bias if bias is not None else weight                    # never read when HAS_BIAS is False
-    if n_tokens > 0:
-        grid = (cdiv(n_tokens, launch.block_t) * cdiv(n_channels, launch.block_c),)
-        rows = {"ROWS_PER_STEP": launch.rows_per_step} if launch.rows_per_step else {}
-        kernel = _causal_conv1d_rows_fwd_kernel if launch.rows_per_step else _causal_conv1d_fwd_kernel
+    rows = launch.rows_per_step > 0                                    # the row kernel writes the final windows too
+    n_blocks_t = max(cdiv(n_tokens, launch.block_t), 1 if rows and n_seqs > 0 else 0)
+    if n_blocks_t > 0:
+        grid = (n_blocks_t * cdiv(n_channels, launch.block_c),)
+        kernel, extra = ((_causal_conv1d_rows_fwd_kernel, {"ROWS_PER_STEP": launch.rows_per_step}) if rows
+                         else (_causal_conv1d_fwd_kernel, {}))
+        bound_steps = (n_seqs.bit_length(),) if rows else ()
         kernel[grid](
             x, weight, bias_arg, conv_states, cu_seqlens, state_indices, has_initial_state, out,
-            n_tokens, n_channels, n_seqs, (n_seqs - 1).bit_length(),
+            n_tokens, n_channels, n_seqs, (n_seqs - 1).bit_length(), *bound_steps,
             x.stride(0), x.stride(1),
             weight.stride(0), weight.stride(1),
             bias_arg.stride(0),
@@ -508,9 +577,9 @@ def causal_conv1d(
             conv_states.shape[0],
             WIDTH=width, HAS_BIAS=bias is not None, APPLY_SILU=apply_silu, BLOCK_T=launch.block_t,
             BLOCK_C=launch.block_c, CHANNELS_FASTEST=launch.channels_fastest, USE_PDL=launch.pdl,
-            num_warps=launch.num_warps, launch_pdl=launch.pdl, **rows,
+            num_warps=launch.num_warps, launch_pdl=launch.pdl, **extra,
         )
-    if n_seqs > 0:
+    if n_seqs > 0 and not rows:
         block_b, block_c = launch.state_block_b, launch.state_block_c
         _causal_conv1d_final_state_fwd_kernel[(cdiv(n_seqs, block_b), cdiv(n_channels, block_c))](
             x, conv_states, cu_seqlens, state_indices, has_initial_state,
