@@ -39,7 +39,8 @@ conv_module = importlib.import_module("vendored.ops.causal_conv1d")
 # 2-D tiles (block_t, block_c, num_warps): 16 to 64 tokens, 128 to 512 channels, 2 to 8 warps (16 to 64 elements a
 # thread), programs along the channels; two along the tokens. Row kernel (block_t, block_c, num_warps,
 # rows_per_step): 13 to 125 tokens a program (block_t + 3 a multiple of the step where it can be), 2 to 8 channels
-# a thread, 2 to 8 rows in flight. Then the default without PDL and with a wider final-window tile.
+# a thread, 2 to 8 rows in flight. Then the default without PDL, and smaller programs (5 to 29 tokens, 128 to 512
+# channels) for the 2K-token case.
 def _prefill(block_t, block_c, num_warps, channels_fastest=True, rows_per_step=0, state_block_c=256, pdl=True):
     return PrefillLaunch(block_t=block_t, block_c=block_c, num_warps=num_warps, channels_fastest=channels_fastest,
                          rows_per_step=rows_per_step, state_block_b=1, state_block_c=state_block_c, pdl=pdl)
@@ -54,7 +55,11 @@ PREFILL_CANDIDATES = [
                                                             (29, 128, 1, 2), (61, 512, 2, 8), (61, 256, 4, 8))],
     _prefill(29, 256, 1, channels_fastest=False, rows_per_step=8),
     _prefill(29, 256, 1, rows_per_step=8, pdl=False),
-    _prefill(29, 256, 1, rows_per_step=8, state_block_c=1024),
+    # more programs for a 2K-token call (the row kernel in one launch is device-bound there): fewer tokens or fewer
+    # channels a program
+    *[_prefill(t, c, w, rows_per_step=r) for t, c, w, r in ((5, 256, 1, 8), (13, 256, 1, 8), (13, 128, 1, 8),
+                                                            (29, 128, 1, 8), (21, 256, 1, 8), (13, 256, 2, 8),
+                                                            (29, 512, 2, 8), (13, 512, 2, 8))],
 ]
 # (block_b, block_c, num_warps): 1 to 8 rows, 128 to 1024 channels, 1 to 4 warps (4 to 32 elements a thread, 1 to
 # 4 rows a thread); then two of the default tiles without PDL.
