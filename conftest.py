@@ -14,6 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under the interpreter a pointer is a raw host address: an access outside the kernel's tensors reads or overwrites
+# other memory instead of faulting. Every interpreted load and store is checked against its arguments' storages
+# (tests/interpreter_bounds.py); BAMBA_BOUNDS_CHECK=0 turns that off.
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("BAMBA_BOUNDS_CHECK", "1") != "0":
+    from tests.interpreter_bounds import install as _install_bounds_check
+    _install_bounds_check()
+
 # pytest-xdist already fills the cores with one worker each: one torch thread per worker, or they fight (a module
 # measured 18 s alone took 170 s with 2 threads in each of 2 workers on 2 cores).
 # BAMBA_TORCH_THREADS overrides (the mutation runner runs several pytest processes side by side).
