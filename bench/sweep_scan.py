@@ -1,16 +1,19 @@
-"""Tile-size sweep of our SSD scan on a GPU: candidate `_Blocks` of vendored/ops/ssd_scan.py timed side by side
-with vLLM's scan on the same inputs, plus where the default configuration's time goes, kernel by kernel.
+"""Launch and structure sweep of our SSD scan on a GPU: candidate `_Blocks` of vendored/ops/ssd_scan.py timed side
+by side with vLLM's scan and fla's chunk_simple_gla on the same inputs, plus where the time goes, kernel by kernel,
+for ours and for the peers, and the launches the peers' autotuners picked.
 
     python3 -m bench.sweep_scan --peers .peers --out out/sweep-scan        # CUDA machine, < 2 minutes on an H200
 
-Candidates are the default GPU `_Blocks` with one or two fields changed (warps, pipelining stages, state and scan
-tile widths); each is swapped in for `_block_sizes` while it runs. One more, EXPERIMENT_rounded_products, is no launch
-choice: it rounds the fp32 intermediates to bf16 for one tensor-core product each, as the peers' kernels do, so that
-the time our fp32 accuracy costs is measured rather than guessed (its outputs fail tests/kernels/test_ssd_scan.py).
-A candidate sums in another order than the default, so its y is compared with the default's (max |Δ| in the table)
-rather than required to be equal; the default itself is what tests/kernels holds to the fp64 twin. Writes
-sweep_scan.json and prints a table; pick a new default from it and run `pytest -m gpu tests/kernels/test_ssd_scan.py`
-before committing it.
+Candidates are the default GPU `_Blocks` with one or two fields changed (stage 4's own row, column and head-dim
+tiles, warps and pipelining stages); each is swapped in for `_block_sizes`
+while it runs, and tests/kernels/test_ssd_scan.py::test_launch_variants holds each kind of change to the fp64 twin.
+The EXPERIMENT_ candidates are no launch choice: they round the fp32 intermediates to bf16 for one tensor-core
+product each, as the peers' kernels do, so that the time our fp32 accuracy costs is measured rather than guessed
+(their outputs fail tests/kernels/test_ssd_scan.py). A candidate sums in another order than the default, so its y is
+compared with the default's (max |Δ| in the table) rather than required to be equal; the default itself is what
+tests/kernels holds to the fp64 twin. Writes sweep_scan.json and prints a table; pick a new default from it and run
+`pytest -m gpu tests/kernels/test_ssd_scan.py` before committing it. fla's time includes what the SSD op needs
+around its kernels (softplus, B and C expanded to every head, x·Δ, D·x): its profile shows both.
 """
 
 from __future__ import annotations
@@ -29,23 +32,29 @@ from bench.kernels import load_peers, max_abs_diff
 # the package exports the function ssd_scan under the module's name: fetch the module itself
 scan_module = importlib.import_module("vendored.ops.ssd_scan")
 
-CASES = ((32768, 1), (2048, 1), (2048, 8))
-# candidates whose time is also broken down kernel by kernel (CUDA profiler)
-PROFILED = ("default", "EXPERIMENT_rounded_products")
+CASES = ((32768, 1), (8192, 8), (2048, 1))
+# candidates whose time is also broken down kernel by kernel (CUDA profiler), and the peers'
+PROFILED = ("default", "m32_s3", "w2_k32_s4", "EXPERIMENT_rounded_products")
+PROFILED_PEERS = ("vllm", "fla")
 
 
 def candidates(default) -> dict[str, object]:
     """Name -> _Blocks: the default and variations around it."""
     out = {"default": default}
     # (narrower state tiles, 3 stages, 32-wide C·S steps, 128-row tiles on 8 warps and 32-wide head-dim tiles were
-    # slower than the default in the sweeps of 2026-11-30: bench/results/2026-11-30-h200-after/sweep_scan.txt)
-    out["n_pass32"] = default._replace(n_pass=32)
-    out["stages2"] = default._replace(stages=2)
-    # uncapped, stage 4 uses 208 registers a thread and stage 2 174 (ptxas): 2 programs an SM; at 128, 4 fit with a
-    # few hundred bytes spilled; 8 warps at 128 registers: 16 warps an SM, stage 4 without spills
-    out["max_registers_none"] = default._replace(max_registers=0)
-    out["max_registers128"] = default._replace(max_registers=128)
-    out["warps8_max_registers128"] = default._replace(warps=8, max_registers=128)
+    # slower than the default in the sweeps of 2026-11-30: bench/results/2026-11-30-h200-after/sweep_scan.txt; stages
+    # 2 and 3 fused into one walk along each sequence was 4x slower at 32K tokens in one sequence, and the decays by
+    # exp2 of an fp64 product with log2(e) no faster than tl.exp, which is already one ex2.approx an element,
+    # 2026-12-04: bench/results/2026-12-04-h200-scan-structure)
+    # stage 4 alone: smaller row tiles, pipelined loads (only where its products do not run on wgmma: with a 64-row
+    # tile on 4 warps and num_stages > 1, triton 3.x leaves a wgmma in flight across the loop's back-edge while the
+    # next iteration overwrites its register operand, vLLM's note on its own sm90 configs), 2 warps, narrower tiles
+    for name, change in (("m32", dict(scan_m=32)), ("m32_s2", dict(scan_m=32, scan_stages=2)),
+                         ("m32_s3", dict(scan_m=32, scan_stages=3)), ("w2_s3", dict(scan_warps=2, scan_stages=3)),
+                         ("w2_k32_s4", dict(scan_warps=2, scan_k=32, scan_stages=4)),
+                         ("m32_w2_s4", dict(scan_m=32, scan_warps=2, scan_stages=4)), ("p32", dict(scan_p=32)),
+                         ("k32", dict(scan_k=32))):
+        out[name] = default._replace(**change)
     # (stage 3 handing stage 4 the states entering the chunks as bf16 pieces, so that stage 4 does not split each
     # again for each of its row tiles, was slower: stage 4 2310 vs 2188 µs and stage 3 378 vs 266 µs at 32K tokens,
     # bench/results/2026-11-30-h200-session4/sweep_scan_split_states.txt; and stage 4 computing C·Bᵀ itself, per head
@@ -55,6 +64,9 @@ def candidates(default) -> dict[str, object]:
     # not a launch choice: the fp32 intermediates rounded to bf16 for one product each, as the peers do (outputs fail
     # our accuracy tests); what the numerics policy costs, measured
     out["EXPERIMENT_rounded_products"] = default._replace(exact_products=False)
+    out["EXPERIMENT_rounded_products_m32_s3"] = default._replace(exact_products=False, scan_m=32, scan_stages=3)
+    out["EXPERIMENT_rounded_products_w2_k32_s4"] = default._replace(exact_products=False, scan_warps=2, scan_k=32,
+                                                                     scan_stages=4)
     unique = {}
     for name, blocks in out.items():             # a variation equal to the default is not timed twice
         unique.setdefault(blocks, name)
@@ -70,6 +82,19 @@ def profile_kernels(run) -> list[tuple[str, float]]:
         torch.cuda.synchronize()
     rows = [(e.key, e.device_time_total / 5) for e in prof.key_averages() if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[1])
+
+
+def autotuned_configs() -> dict[str, str]:
+    """The launch each autotuned Triton kernel loaded so far (the peers') picked: module.kernel -> config."""
+    import sys
+    from triton.runtime.autotuner import Autotuner
+    found = {}
+    for module in list(sys.modules.values()):
+        namespace = vars(module) if isinstance(getattr(module, "__dict__", None), dict) else {}
+        for name, obj in list(namespace.items()):
+            if isinstance(obj, Autotuner) and getattr(obj, "best_config", None) is not None:
+                found[f"{module.__name__}.{name}"] = str(obj.best_config)
+    return found
 
 
 def main(argv=None) -> int:
@@ -93,10 +118,13 @@ def main(argv=None) -> int:
     for n_tokens, n_seqs in CASES:
         impls = scan_case(setup, peers, n_tokens, n_seqs, torch.float32).build()
         row = dict(tokens=n_tokens, seqs=n_seqs, ms={}, diff={})
-        if "vllm" in impls:
-            run, _ = impls["vllm"].prepare()
-            run()
-            row["ms"]["vllm"] = triton.testing.do_bench(run, rep=a.rep_ms, return_mode="median")
+        for peer in PROFILED_PEERS:
+            if peer in impls:
+                run, _ = impls[peer].prepare()
+                run()
+                row["ms"][peer] = triton.testing.do_bench(run, rep=a.rep_ms, return_mode="median")
+                row.setdefault("profiles", {})[peer] = profile_kernels(run)
+        row["peer_autotuned"] = autotuned_configs()
         reference = None
         for name, blocks in candidates(default).items():
             scan_module._block_sizes = lambda *args, _b=blocks: _b
@@ -114,7 +142,7 @@ def main(argv=None) -> int:
                 row["ms"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             finally:
                 scan_module._block_sizes = real_block_sizes
-            print(f"T{n_tokens} seqs{n_seqs} {name:24s} {row['ms'][name]}  (Δ {row['diff'].get(name)})", flush=True)
+            print(f"T{n_tokens} seqs{n_seqs} {name:40s} {row['ms'][name]}  (Δ {row['diff'].get(name)})", flush=True)
         results.append(row)
         del impls
         torch.cuda.empty_cache()
@@ -124,10 +152,15 @@ def main(argv=None) -> int:
                 default=default._asdict(), seconds=time.time() - started)
     (out / "sweep_scan.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1, default=str))
     for row in results:
-        print(f"\nT{row['tokens']} seqs{row['seqs']}: vllm {row['ms'].get('vllm')}")
+        print(f"\nT{row['tokens']} seqs{row['seqs']}: " + ", ".join(f"{peer} {row['ms'].get(peer)}"
+                                                                  for peer in PROFILED_PEERS))
         for name, ms in row["ms"].items():
-            if name != "vllm" and isinstance(ms, float) and "vllm" in row["ms"]:
-                print(f"  {name:24s} {ms:8.4f} ms   vllm/ours {row['ms']['vllm'] / ms:5.2f}")
+            if name not in PROFILED_PEERS and isinstance(ms, float):
+                ratios = "  ".join(f"{peer}/ours {row['ms'][peer] / ms:5.2f}" for peer in PROFILED_PEERS
+                                   if isinstance(row["ms"].get(peer), float))
+                print(f"  {name:40s} {ms:8.4f} ms   {ratios}")
+        for kernel, config in sorted(row.get("peer_autotuned", {}).items()):
+            print(f"  autotuned {kernel}: {config}")
         for name, profile in row.get("profiles", {}).items():
             print(f"  where {name}'s time goes:")
             for kernel, us in profile[:10]:

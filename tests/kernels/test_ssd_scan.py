@@ -159,6 +159,35 @@ def test_packed_sequences_mixed_initial_states(layout):
     check_against_twin(Case(lengths=PACKED[layout], initial="mixed"))
 
 
+# Launch structures other than the default that bench/sweep_scan.py times: each must compute the same recurrence.
+# (On a GPU the default launch runs every other test; these run there too, at the CPU shapes.)
+LAUNCH_VARIANTS = {
+    "stage-4-half-height-rows": dict(scan_m=-2),
+    "stage-4-half-width-column-steps": dict(scan_k=-2),
+    "stage-4-half-width-head-dim": dict(scan_p=-2),
+    "stage-4-pipelined-2-warps": dict(scan_warps=2, scan_stages=3),
+}
+
+
+@pytest.mark.parametrize("variant", list(LAUNCH_VARIANTS))
+def test_launch_variants(variant, monkeypatch):
+    """Chunks of 72 (two row tiles of 64 under the interpreter), head_dim 80 (two head-dim tiles, the second mostly
+    masked), a sequence across three chunks between two shorter ones."""
+    import importlib
+    module = importlib.import_module("vendored.ops.ssd_scan")
+    chosen = module._block_sizes
+
+    def varied(*args):
+        blocks = chosen(*args)
+        # -2: half of what the default uses for that field (a tile still >= 16 wide, tl.dot's minimum)
+        half = {"scan_m": blocks.m, "scan_k": blocks.m, "scan_p": blocks.p}
+        changes = {f: (max(16, half[f] // 2) if v == -2 else v) for f, v in LAUNCH_VARIANTS[variant].items()}
+        return blocks._replace(**changes)
+
+    monkeypatch.setattr(module, "_block_sizes", varied)
+    check_against_twin(Case(lengths=(70, 5, 150), initial="mixed", head_dim=80, d_state=32, chunk_size=72))
+
+
 @pytest.mark.parametrize("initial", ["none", "all"])
 def test_packed_sequences_all_or_no_initial_states(initial):
     check_against_twin(Case(lengths=PACKED["inside-chunks"], initial=initial))

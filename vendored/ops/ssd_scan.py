@@ -503,6 +503,11 @@ class _Blocks(NamedTuple):
     tensor_cores: bool
     max_registers: int = 0
     exact_products: bool = True
+    scan_m: int = 0
+    scan_k: int = 0
+    scan_p: int = 0
+    scan_warps: int = 0
+    scan_stages: int = 0
 
 
 def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, device: torch.device) -> _Blocks:
@@ -673,7 +678,13 @@ def ssd_scan(
         BLOCK_N=blocks.n_scan, num_warps=blocks.warps, num_stages=blocks.stages,
     )
 
-    _ssd_chunk_scan_fwd_kernel[(head_blocks, chunk_blocks * m_blocks, cdiv(head_dim, blocks.p))](
+    # stage 4's own tile and launch (0: the shared fields); the sweep varies them without touching the other stages
+    scan_m, scan_p = blocks.scan_m or blocks.m, blocks.scan_p or blocks.p
+    if scan_m > blocks.m:
+        raise ValueError(f"stage 4's rows ({scan_m}) exceed the C·Bᵀ tile ({blocks.m}): "
+                         "it would read tiles that were not written")
+    scan_m_blocks = blocks.q // scan_m
+    _ssd_chunk_scan_fwd_kernel[(head_blocks, chunk_blocks * scan_m_blocks, cdiv(head_dim, scan_p))](
         x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states, y,
         chunk_start, chunk_len,
         n_chunks, n_heads, head_dim, d_state, heads_per_group,
@@ -685,9 +696,9 @@ def ssd_scan(
         states.stride(0), states.stride(1), states.stride(2), states.stride(3),
         y.stride(0), y.stride(1), y.stride(2),
         HAS_D=D is not None, HAS_Z=z is not None, HOW_CS=how_cs, HOW_X=how_x,
-        M_BLOCKS=m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
-        BLOCK_M=blocks.m, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n_scan, num_warps=blocks.warps,
-        num_stages=blocks.stages, **registers,
+        M_BLOCKS=scan_m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
+        BLOCK_M=scan_m, BLOCK_K=blocks.scan_k or scan_m, BLOCK_P=scan_p, BLOCK_N=blocks.n_scan,
+        num_warps=blocks.scan_warps or blocks.warps, num_stages=blocks.scan_stages or blocks.stages, **registers,
     )
     check()
     return y
