@@ -34,7 +34,7 @@ scan_module = importlib.import_module("vendored.ops.ssd_scan")
 
 CASES = ((32768, 1), (8192, 8), (2048, 1))
 # candidates whose time is also broken down kernel by kernel (CUDA profiler), and the peers'
-PROFILED = ("default", "m32_s3", "w2_k32_s4", "EXPERIMENT_rounded_products")
+PROFILED = ("default", "w8_max_registers128", "w8_max_registers_none", "EXPERIMENT_rounded_products")
 PROFILED_PEERS = ("vllm", "fla")
 
 
@@ -45,15 +45,24 @@ def candidates(default) -> dict[str, object]:
     # slower than the default in the sweeps of 2026-11-30: bench/results/2026-11-30-h200-after/sweep_scan.txt; stages
     # 2 and 3 fused into one walk along each sequence was 4x slower at 32K tokens in one sequence, and the decays by
     # exp2 of an fp64 product with log2(e) no faster than tl.exp, which is already one ex2.approx an element,
-    # 2026-12-04: bench/results/2026-12-04-h200-scan-structure)
+    # 2026-12-04: bench/results/2026-12-04-h200-scan-structure; so were the products of stages 2 and 4 transposed,
+    # the fp32 factor on the right, which the tensor cores read from shared memory where its bf16 pieces are stored
+    # once: stage 4 2338 against 2208 µs at 32K, spilling under the register cap, experiment_transposed_products.diff
+    # there)
+    out["max_registers_none"] = default._replace(max_registers=0)
+    out["max_registers128"] = default._replace(max_registers=128)
     # stage 4 alone: smaller row tiles, pipelined loads (only where its products do not run on wgmma: with a 64-row
     # tile on 4 warps and num_stages > 1, triton 3.x leaves a wgmma in flight across the loop's back-edge while the
     # next iteration overwrites its register operand, vLLM's note on its own sm90 configs), 2 warps, narrower tiles
     for name, change in (("m32", dict(scan_m=32)), ("m32_s2", dict(scan_m=32, scan_stages=2)),
-                         ("m32_s3", dict(scan_m=32, scan_stages=3)), ("w2_s3", dict(scan_warps=2, scan_stages=3)),
+                         ("m32_s3", dict(scan_m=32, scan_stages=3)),
                          ("w2_k32_s4", dict(scan_warps=2, scan_k=32, scan_stages=4)),
-                         ("m32_w2_s4", dict(scan_m=32, scan_warps=2, scan_stages=4)), ("p32", dict(scan_p=32)),
-                         ("k32", dict(scan_k=32))):
+                         ("p32", dict(scan_p=32)),
+                         ("k32", dict(scan_k=32)),
+                         # 8 warps: each thread holds half of the 64x64 tiles, so fewer registers a thread (Nsight
+                         # Compute: 168 registers, 18.5% occupancy, against vLLM's 128 and 24.4%)
+                         ("w8_max_registers128", dict(scan_warps=8, max_registers=128)),
+                         ("w8_max_registers_none", dict(scan_warps=8, max_registers=0))):
         out[name] = default._replace(**change)
     # (stage 3 handing stage 4 the states entering the chunks as bf16 pieces, so that stage 4 does not split each
     # again for each of its row tiles, was slower: stage 4 2310 vs 2188 µs and stage 3 378 vs 266 µs at 32K tokens,
@@ -64,9 +73,7 @@ def candidates(default) -> dict[str, object]:
     # not a launch choice: the fp32 intermediates rounded to bf16 for one product each, as the peers do (outputs fail
     # our accuracy tests); what the numerics policy costs, measured
     out["EXPERIMENT_rounded_products"] = default._replace(exact_products=False)
-    out["EXPERIMENT_rounded_products_m32_s3"] = default._replace(exact_products=False, scan_m=32, scan_stages=3)
-    out["EXPERIMENT_rounded_products_w2_k32_s4"] = default._replace(exact_products=False, scan_warps=2, scan_k=32,
-                                                                     scan_stages=4)
+    out["EXPERIMENT_rounded_products_w8"] = default._replace(exact_products=False, scan_warps=8)
     unique = {}
     for name, blocks in out.items():             # a variation equal to the default is not timed twice
         unique.setdefault(blocks, name)
