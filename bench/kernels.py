@@ -62,8 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_peers(folder: str | None, log) -> dict:
-    """{name: namespace of the peer's functions} for each peer that loads; a failure is logged, not raised."""
+def load_peers(folder: str | None, log, failures: dict | None = None) -> dict:
+    """{name: namespace of the peer's functions} for each peer that loads; a failure is logged, not raised, and
+    recorded in `failures` (name -> reason) when given, for the report to name."""
     if not folder:
         return {}
     folder = Path(folder).resolve()
@@ -80,6 +81,8 @@ def load_peers(folder: str | None, log) -> dict:
             peers[name] = load()
         except Exception as e:  # the other peer and our ops still run
             log(f"# peer {name} failed to load: {type(e).__name__}: {e}")
+            if failures is not None:
+                failures[name] = f"{type(e).__name__}: {e}"
     if "mamba_ssm" in peers and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         # vLLM's filter for chunk-scan configs that Triton miscompiles on sm90 (NaN/Inf rows); see bench/peer_loader.py
         kernel = peers["mamba_ssm"].autotuned_kernels["_chunk_scan_fwd_kernel"]
@@ -245,7 +248,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     head = ["op", "case", "ours ms", "TB/s", "TFLOP/s", *[f"{p} ms" for p in peers], "peer/ours",
             *[f"max abs diff vs {p} (y; state)" for p in peers], "notes"]
     lines = [f"Kernel benchmark, {meta['date']}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}"
-             f"{', peers: ' + ', '.join(meta['peers']) if meta['peers'] else ', no peers'}.", "",
+             f"{', peers: ' + ', '.join(meta['peers']) if meta['peers'] else ', no peers'}"
+             + "".join(f"; {name} FAILED TO LOAD ({reason})" for name, reason in meta.get("peers_failed", {}).items())
+             + ".", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {op: i for i, op in enumerate(OP_ORDER)}
     for r in sorted(rows, key=lambda r: (order[r["op"]], r["index"])):
@@ -314,13 +319,15 @@ def main(argv=None) -> int:
     if not on_gpu and not (interpreted and a.smoke):
         sys.exit("bench.kernels: no CUDA device; on a CPU run `TRITON_INTERPRET=1 python -m bench.kernels --smoke`")
     log = lambda line: print(line, flush=True)  # noqa: E731
-    peers = load_peers(a.peers, log)
+    peers_failed: dict[str, str] = {}
+    peers = load_peers(a.peers, log, peers_failed)
     device = torch.device("cuda" if on_gpu else "cpu")
     setup = Setup(SMOKE if a.smoke else BAMBA_9B, device, torch.float32 if a.smoke else torch.bfloat16, a.seed)
     import triton
     meta = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                peers=[peers[p].name for p in PEER_NAMES if p in peers], shape=setup.shape.__dict__,
+                peers=[peers[p].name for p in PEER_NAMES if p in peers], peers_failed=peers_failed,
+                shape=setup.shape.__dict__,
                 dtype=str(setup.dtype).removeprefix("torch."), args=vars(a))
     only = {op for op in a.only.split(",") if op}
     todo = [c for c in cases(setup, peers, a.smoke) if not only or c.op in only]

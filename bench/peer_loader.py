@@ -197,7 +197,13 @@ class _LogOnce(logging.LoggerAdapter):
 
 
 class _NoCompiledOps(types.ModuleType):
+    """vllm._custom_ops without the compiled ops: asking for one raises NotImplementedError. A dunder name is the
+    module protocol, not an op (inspect.getmodule asks every module in sys.modules for __file__, as fla's import
+    does): AttributeError, as for any module without it."""
+
     def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
         raise NotImplementedError(f"vllm._custom_ops.{name}: a compiled vLLM op; the peers hold only vLLM's Triton ops")
 
 

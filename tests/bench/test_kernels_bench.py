@@ -105,3 +105,30 @@ def test_the_fla_scan_peer_is_given_the_ssd_recurrence_in_its_conventions(n_seqs
     y_diff, state_diff = fla["max_abs_diff"]
     assert y_diff < 1e-4 and state_diff < 1e-4, fla["max_abs_diff"]
     assert row["impls"]["ours"]["max_abs"][0] > 0.1                # not two zero outputs
+
+
+def test_a_peer_that_fails_to_load_is_named_in_the_table(tmp_path, monkeypatch):
+    """A run that lost a peer says so in its table's first line (an H200 run once lost fla silently but for a log
+    line, and its table compared the scan with two peers instead of three)."""
+    import sys
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (peers / "peer_loader.py").write_text(
+        "import types\n"
+        "def load_vllm(): raise RuntimeError('planted: no vllm')\n"
+        "def load_mamba_ssm(): raise RuntimeError('planted: no mamba_ssm')\n"
+        "def load_fla(): raise NotImplementedError('planted: no fla')\n"
+        "def patch_torch_for_interpreter(): pass\n"
+        "def prune_autotune_for_interpreter(*modules): pass\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "peer_loader", raising=False)
+    try:
+        code, report, table = run(tmp_path / "out", "--peers", str(peers), "--only", "d2d_copy")
+    finally:
+        sys.modules.pop("peer_loader", None)
+    assert code == 0
+    assert report["meta"]["peers_failed"] == {"vllm": "RuntimeError: planted: no vllm",
+                                              "mamba_ssm": "RuntimeError: planted: no mamba_ssm",
+                                              "fla": "NotImplementedError: planted: no fla"}
+    first = table.splitlines()[0]
+    assert "fla FAILED TO LOAD (NotImplementedError: planted: no fla)" in first and "vllm FAILED TO LOAD" in first
