@@ -160,7 +160,8 @@ def test_packed_sequences_mixed_initial_states(layout):
 
 
 # Launch structures other than the default that bench/sweep_scan.py times: each must compute the same recurrence.
-# (On a GPU the default launch runs every other test; these run there too, at the CPU shapes.)
+# (On a GPU the default launch runs every other test; these run there too, at the CPU shapes. Warps and stages mean
+# nothing to the interpreter, so on a CPU that variant only checks that they reach the launch.)
 LAUNCH_VARIANTS = {
     "stage-4-half-height-rows": dict(scan_m=-2),
     "stage-4-half-width-column-steps": dict(scan_k=-2),
@@ -186,6 +187,15 @@ def test_launch_variants(variant, monkeypatch):
 
     monkeypatch.setattr(module, "_block_sizes", varied)
     check_against_twin(Case(lengths=(70, 5, 150), initial="mixed", head_dim=80, d_state=32, chunk_size=72))
+
+
+def test_stage_4_rows_may_not_exceed_the_cb_tiles(monkeypatch):
+    import importlib
+    module = importlib.import_module("vendored.ops.ssd_scan")
+    chosen = module._block_sizes
+    monkeypatch.setattr(module, "_block_sizes", lambda *args: chosen(*args)._replace(scan_m=2 * chosen(*args).m))
+    with pytest.raises(ValueError, match=r"stage 4's rows \(\d+\) exceed the C·Bᵀ tile"):
+        check_against_twin(Case(lengths=(70,), initial="none", chunk_size=72))
 
 
 @pytest.mark.parametrize("initial", ["none", "all"])

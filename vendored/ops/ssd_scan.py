@@ -487,7 +487,10 @@ class _Blocks(NamedTuple):
     with products; tensor_cores: whether 16-bit inputs take the tensor-core products of _dot (GPU) or fp32 FMAs;
     max_registers: a cap on the registers a thread of stages 2 and 4 may use when x is bf16 (ptxas's maxnreg; 0:
     none), which sets how many of their programs an SM holds at once (65536 registers an SM, 128 threads a program);
-    exact_products: False only in bench/sweep_scan.py's experiment (see _dot's table, 4 and 5)."""
+    exact_products: False only in bench/sweep_scan.py's experiment (see _dot's table, 4 and 5); scan_m, scan_k, scan_p,
+    scan_warps, scan_stages: stage 4's rows, column step, head-dim columns, warps and stages when not 0 (otherwise m,
+    m, p, warps and stages), for the sweep to vary stage 4 alone (scan_m may not exceed m: stage 4 reads the C·Bᵀ
+    tiles on and below the diagonal, in m-row blocks)."""
     chunk: int
     q: int
     m: int
