@@ -108,30 +108,59 @@ def run_twin(twin, args, kwargs, pool: torch.Tensor, dtype: torch.dtype | None):
     return twin(*args, ssm_states=states, **kwargs), states
 
 
-def check_call(case: Case, args, kwargs, pool: torch.Tensor, twin=ssd_scan_ref) -> None:
+# products="rounded": each term of y_t (C_t·S_in·decay, C_t·B_s·decay·Δ_s·x_s) and of a final state (decay·Δ_s·x_s⊗B_s)
+# passes through at most two roundings: stage 2's x·decay·Δ, as two bf16 pieces (off by < 2^-15 of it; one rounding
+# to fp16, 2^-11, for fp16 inputs), then the entering state that holds it, rounded to the input's dtype (u = 2^-8 for
+# bf16, 2^-11 for fp16) and read out by C; or, inside the chunk, C·Bᵀ∘L·Δ, rounded to u. A final state's terms pass
+# through stage 2's rounding alone (state passing runs in fp32). So |error| <= (sum of those units)·Σ|terms|, plus
+# second-order terms, and Σ|terms| is the twin run on |x|, |B|, |C|, the |initial states|, without D (D·x is exact):
+# the same recurrence, every term positive. The allowance is 1.5 times that first-order bound: the half covers the
+# second-order terms and the fp32 cumulative sums (their decays off by ~|cs|·2^-24 relative). And a value moved so may
+# then round to the other 16-bit neighbour when stored (y, a bf16 pool): one ulp more, which ref_low's own rounding
+# does not bound.
+ROUNDED_UNITS = {torch.bfloat16: (2.0 ** -8, 2.0 ** -15), torch.float16: (2.0 ** -11, 2.0 ** -11)}   # (u, stage 2)
+ROUNDED_MARGIN = 1.5
+
+
+def rounding_allowance(args, kwargs, pool: torch.Tensor, twin) -> tuple[torch.Tensor, torch.Tensor]:
+    """What products="rounded" may add to |y - ref64| and to |final states - ref64|, element by element (above)."""
+    x, dt, A, B, C = args
+    u, u_state = ROUNDED_UNITS[x.dtype]
+    y_abs, states_abs = run_twin(twin, (x.abs(), dt, A, B.abs(), C.abs()), dict(kwargs, D=None), pool.abs(),
+                                 torch.float64)
+    return ROUNDED_MARGIN * (u + u_state) * y_abs.abs(), ROUNDED_MARGIN * u_state * states_abs.abs()
+
+
+def check_call(case: Case, args, kwargs, pool: torch.Tensor, twin=ssd_scan_ref, products: str = "fp32") -> None:
     """Run the kernel on NaN-poisoned state slots; check y, every final state and every slot not named."""
     dtype, state_dtype = args[0].dtype, pool.dtype
     slots = slots_of(len(case.lengths))
     poisoned = poison_slots(pool, keep=[s for s, init in zip(slots, initial_of(case)) if init])
     states = poisoned.clone()
-    y = ssd_scan(*args, ssm_states=states, **kwargs)
+    y = ssd_scan(*args, ssm_states=states, products=products, **kwargs)
     y64, states64 = run_twin(twin, args, kwargs, poisoned, torch.float64)
     y_low, states_low = run_twin(twin, args, kwargs, poisoned, None)
+    y_extra = states_extra = None
+    ulps = 0.0
+    if products == "rounded" and dtype in ROUNDED_UNITS:
+        y_extra, states_extra = rounding_allowance(args, kwargs, poisoned, twin)
+        ulps = 1.0
 
     assert y.dtype == dtype, f"y: expected dtype {dtype}, got {y.dtype}"
     starts = kwargs["cu_seqlens"].tolist()
     for b, slot in enumerate(slots):           # per sequence: smaller host copies, and the message names it
         tokens = slice(starts[b], starts[b + 1])
         assert_three_way(f"y of sequence {b}", y[tokens], y64[tokens], y_low[tokens].to(dtype), k=K,
-                         atol=ATOL_Y[dtype])
+                         atol=ATOL_Y[dtype], ulps=ulps, extra=None if y_extra is None else y_extra[tokens])
         assert_three_way(f"final state of sequence {b} (slot {slot})", states[slot], states64[slot],
-                         states_low[slot].to(state_dtype), k=K, atol=ATOL_STATE)
+                         states_low[slot].to(state_dtype), k=K, atol=ATOL_STATE, ulps=ulps,
+                         extra=None if states_extra is None else states_extra[slot])
     assert_slots_untouched("ssm_states", poisoned, states, touched=slots)
 
 
 def check_against_twin(case: Case, dtype: torch.dtype = torch.float32,
-                       state_dtype: torch.dtype = torch.float32) -> None:
-    check_call(case, *make_inputs(case, dtype, state_dtype))
+                       state_dtype: torch.dtype = torch.float32, products: str = "fp32") -> None:
+    check_call(case, *make_inputs(case, dtype, state_dtype), products=products)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -163,6 +192,10 @@ def test_packed_sequences_mixed_initial_states(layout):
 # (On a GPU the default launch runs every other test; these run there too, at the CPU shapes. Warps and stages mean
 # nothing to the interpreter, so on a CPU that variant only checks that they reach the launch.)
 LAUNCH_VARIANTS = {
+    # the GPU's launch: one chunk and one head a program, stages 2 and 4 as 2-D tile kernels
+    "gpu-tile-kernels": dict(c=1, h=1),
+    "gpu-tile-kernels-half-height-rows": dict(c=1, h=1, scan_m=-2),
+    "gpu-tile-kernels-half-width-column-steps": dict(c=1, h=1, scan_k=-2),
     "stage-4-half-height-rows": dict(scan_m=-2),
     "stage-4-half-width-column-steps": dict(scan_k=-2),
     "stage-4-half-width-head-dim": dict(scan_p=-2),
@@ -187,6 +220,66 @@ def test_launch_variants(variant, monkeypatch):
 
     monkeypatch.setattr(module, "_block_sizes", varied)
     check_against_twin(Case(lengths=(70, 5, 150), initial="mixed", head_dim=80, d_state=32, chunk_size=72))
+
+
+def test_stage_4_column_step_must_divide_its_rows(monkeypatch):
+    import importlib
+    module = importlib.import_module("vendored.ops.ssd_scan")
+    chosen = module._block_sizes
+    monkeypatch.setattr(module, "_block_sizes", lambda *args: chosen(*args)._replace(c=1, h=1, m=64, scan_k=48))
+    with pytest.raises(ValueError, match=r"stage 4's column step \(48\) does not divide its rows \(64\)"):
+        check_against_twin(Case(lengths=(70,), initial="none", chunk_size=72))
+
+
+# products="rounded" (the peers' precision), against the same twins within the allowance of rounding_allowance: 16-bit
+# inputs (the mode rounds to them), the interpreter's batched launch and the GPU's tile kernels, chunks of one and of
+# two row tiles (72 under the interpreter: stage 4's column blocks before the diagonal), every sequence boundary class
+ROUNDED_CASES = {
+    "chunk-edges": Case(lengths=PACKED["chunk-edges"]),
+    "two-long": Case(lengths=PACKED["two-long"], initial="all"),
+    "Q72-two-row-tiles-head-dim-80": Case(lengths=(70, 5, 150), head_dim=80, d_state=32, chunk_size=72),
+    "no-z-no-D": Case(lengths=PACKED["inside-chunks"], has_z=False, has_D=False),
+}
+
+
+@pytest.mark.parametrize("launch", ["interpreter-batched", "gpu-tile-kernels"])
+@pytest.mark.parametrize("dtype, state_dtype", [pytest.param(torch.bfloat16, torch.float32, id="bf16-state_fp32"),
+                                                pytest.param(torch.bfloat16, torch.bfloat16, id="bf16-state_bf16"),
+                                                pytest.param(torch.float16, torch.float32, id="fp16-state_fp32")])
+@pytest.mark.parametrize("case", list(ROUNDED_CASES))
+def test_rounded_products(case, dtype, state_dtype, launch, monkeypatch):
+    if launch == "gpu-tile-kernels":
+        import importlib
+        module = importlib.import_module("vendored.ops.ssd_scan")
+        chosen = module._block_sizes
+        monkeypatch.setattr(module, "_block_sizes", lambda *args: chosen(*args)._replace(c=1, h=1))
+    check_against_twin(ROUNDED_CASES[case], dtype, state_dtype, products="rounded")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounded_products_do_round(dtype):
+    """The mode is what it says: with 16-bit inputs its y differs from the fp32 mode's (so the tests above hold the
+    rounded path to its allowance, not the fp32 path to a looser bound), and its final states too; with an fp32 x
+    the two modes are the same computation, bit for bit."""
+    case = ROUNDED_CASES["two-long"]
+    (x, *rest), kwargs, pool = make_inputs(case, dtype, torch.float32)
+    outputs = {}
+    for products in ("fp32", "rounded"):
+        states = pool.clone()
+        outputs[products] = ssd_scan(x, *rest, ssm_states=states, products=products, **kwargs), states
+    assert not torch.equal(outputs["fp32"][0], outputs["rounded"][0])
+    assert not torch.equal(outputs["fp32"][1], outputs["rounded"][1])
+    (x32, *rest32), kwargs32, pool32 = make_inputs(case, torch.float32, torch.float32)
+    y_exact = ssd_scan(x32, *rest32, ssm_states=pool32.clone(), **kwargs32)
+    y_rounded = ssd_scan(x32, *rest32, ssm_states=pool32.clone(), products="rounded", **kwargs32)
+    assert torch.equal(y_exact, y_rounded)
+
+
+def test_rejects_an_unknown_precision_mode():
+    case = Case(lengths=(5,))
+    args, kwargs, pool = make_inputs(case, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match=r"products: expected 'fp32' or 'rounded', got 'bf16'"):
+        ssd_scan(*args, ssm_states=pool, products="bf16", **kwargs)
 
 
 def test_stage_4_rows_may_not_exceed_the_cb_tiles(monkeypatch):
@@ -387,6 +480,19 @@ def random_lengths(n_tokens: int, n_seqs: int, seed: int) -> tuple[int, ...]:
 ])
 def test_bamba_9b_shapes(dtype, state_dtype, n_tokens):
     check_against_twin(Case(lengths=random_lengths(n_tokens, 8, seed=n_tokens), **BAMBA_9B), dtype, state_dtype)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype, state_dtype, n_tokens, n_seqs", [
+    pytest.param(torch.bfloat16, torch.float32, 2048, 1, id="bf16-state_fp32-T2048-1seq"),
+    pytest.param(torch.bfloat16, torch.float32, 8192, 8, id="bf16-state_fp32-T8192"),
+    pytest.param(torch.bfloat16, torch.bfloat16, 8192, 8, id="bf16-state_bf16-T8192"),
+    pytest.param(torch.float16, torch.float32, 8192, 8, id="fp16-state_fp32-T8192"),
+])
+def test_bamba_9b_shapes_rounded_products(dtype, state_dtype, n_tokens, n_seqs):
+    check_against_twin(Case(lengths=random_lengths(n_tokens, n_seqs, seed=n_tokens), **BAMBA_9B), dtype, state_dtype,
+                       products="rounded")
 
 
 @gpu

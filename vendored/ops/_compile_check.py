@@ -55,7 +55,8 @@ SMALL_TILES = "(small tiles)"
 # Spill bytes allowed to a launch that caps its registers (see problems_of).
 CAPPED_SPILL_BYTES = 32
 # Kernels whose products of 16-bit inputs must run on Hopper's wgmma (checked on the bf16 calls).
-TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel")
+TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel",
+                       "_ssd_chunk_scan_tile_kernel", "_ssd_chunk_state_tile_kernel")
 OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
               for name in ("causal_conv1d", "decode_attention", "rms_norm", "rms_norm_gated", "rotary",
                            "selective_state_update", "silu_mul", "ssd_scan")]
@@ -211,6 +212,11 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
                      ssm_states=randn(5, H, P, N, dt=state_dtype), state_indices=index(1, 3),
                      has_initial_state=torch.tensor([True, False]), dt_softplus=full,
                      dt_limit=(0.0, 10.0) if full and has_z else (0.0, math.inf))
+        label(f"ssd_scan, {pool}, products=rounded, all inputs")
+        ssd_scan(randn(9, H, P), randn(9, H), -torch.rand(H), randn(9, G, N), randn(9, G, N), chunk_size=Q,
+                 D=torch.randn(H), dt_bias=torch.randn(H), z=randn(9, H, P), cu_seqlens=index(0, 4, 9),
+                 ssm_states=randn(5, H, P, N, dt=state_dtype), state_indices=index(1, 3),
+                 has_initial_state=torch.tensor([True, False]), products="rounded")
         # the test models' widths (tests/helpers.py TINY_CONFIG: H=4, P=16, N=8, G=2, Q=8), one sequence shorter than
         # a chunk: small tiles that once failed to compile (stage 1 with 4 heads per program)
         label(f"ssd_scan, {pool}, test-model widths, one short sequence {SMALL_TILES}")

@@ -25,9 +25,12 @@ NC/256; stage 1 (NC/BLOCK_C, H/BLOCK_H); stage 2 (H/BLOCK_H, NC/BLOCK_C, P/BLOCK
 (B, H/BLOCK_H, P/BLOCK_P · N/BLOCK_N); C·Bᵀ (G/BLOCK_H, NC/BLOCK_C · (Q/BLOCK_M)²); stage 4
 (H/BLOCK_H, NC/BLOCK_C · Q/BLOCK_M, P/BLOCK_P). Heads vary fastest, so programs that run together share a
 chunk's B, C and C·Bᵀ in L2. On the GPU, BLOCK_C = 1 and, past stage 1, BLOCK_H = 1, and every product is a 2-D
-tile (_bdot), which Triton maps onto Hopper's wgmma; the Triton interpreter (CPU) takes several chunks and heads per
-program, as a leading batch dimension of every tile, because there each program costs a fixed time whatever its
-size.
+tile, which Triton maps onto Hopper's wgmma: stages 2 and 4 then run as tile kernels of their own
+(_ssd_chunk_state_tile_kernel, _ssd_chunk_scan_tile_kernel: scalar base addresses, no batch dimension, fewer
+registers), stage 4's decays from before its row tile factored through the position just before it. The Triton
+interpreter (CPU) takes several chunks and heads per program, as a leading batch dimension of every tile (_bdot),
+because there each program costs a fixed time whatever its size; its tests run the tile kernels too (a launch with
+one chunk and head a program).
 
 Every product and sum is as accurate as fp32 whatever the input dtype (x, B, C, z: fp32, bf16 or fp16; dt any
 float), so the only rounding to a 16-bit type is the final store of y and, for a bf16 state pool, of the final states.
@@ -40,6 +43,10 @@ exactly it (_bf16x3, by bit operations): three times the tensor-core work, a fra
 cumulative Δ·A. Over a 256-token chunk it reaches hundreds, and in fp32 each difference cs_t - cs_s (the exponent of
 every decay) would carry an absolute error of ~|cs|·2^-24, some 10x the error of the sequential product of decays;
 in fp64 each difference is exact to fp32 before the exp.
+products="rounded" trades that accuracy for speed where the inputs are 16-bit, in the peers' way: C·Bᵀ∘L·Δ and the
+entering states rounded once to the input's dtype for their products (stage 3 stores the entering states so, in a
+buffer of their own), stage 2's x·decay·Δ as two bf16 pieces (the final states off by < 2^-15 of each term), and the
+cumulative sums in fp32.
 Return dtype: y has x's dtype, as an engine's next layer expects. (The twin returns the promoted dtype of x and the
 pool, which differs for a 16-bit x with an fp32 pool, or an fp16 x with a bf16 pool.)
 Slots of `ssm_states` not named in `state_indices` are neither read nor written; a named slot is read only when
@@ -102,13 +109,18 @@ def _bf16x3(v):
 #   1: an fp32 left operand against a bf16 right one, the left as its three bf16 pieces;
 #   2: a bf16 left operand against an fp32 right one, the right split;
 #   3: fp32 FMAs (fp32 or fp16 operands, and every product under the interpreter);
-#   4, 5: the fp32 left (4) or right (5) operand rounded to bf16, one product, as the peers' kernels do. Never chosen
-#      by ssd_scan() itself: an experiment of bench/sweep_scan.py (_Blocks.exact_products=False) that measures what the
-#      fp32 accuracy costs; its outputs fail the three-way bounds of tests/kernels/test_ssd_scan.py.
+#   4, 5: the fp32 left (4) or right (5) operand rounded to the other's 16-bit dtype, one tensor-core product, as the
+#      peers' kernels do (products="rounded", GPU);
+#   6, 7: the same rounding under the interpreter (by bits, see _rounding.py), then fp32 FMAs on the 16-bit values:
+#      the products of two 16-bit floats are exact in fp32, so this is what 4 and 5 compute, summed in another order;
+#   8, 9: the fp32 left operand as two bf16 pieces, its leading 8 significant bits and the rest rounded to bf16
+#      (off by less than 2^-15 of it), against a bf16 right one: two tensor-core products (8, GPU) or fp32 FMAs on
+#      the pieces (9, interpreter). products="rounded" for stage 2, whose rounding the final states keep.
 @triton.jit
 def _dot(a, b, HOW: tl.constexpr):
-    """a @ b in fp32 for 2-D or 3-D (batched) a, b, as accurate as fp32 whatever the operands (HOW above). The
-    split pieces run small first, so the large one adds last."""
+    """a @ b in fp32 for 2-D or 3-D (batched) a, b: as accurate as fp32 whatever the operands (HOW 0-3), or with the
+    fp32 operand rounded once (4-7; see the table above). The split pieces run small first, so the large one adds
+    last."""
     if HOW == 0:
         return tl.dot(a, b)
     elif HOW == 1:
@@ -118,9 +130,21 @@ def _dot(a, b, HOW: tl.constexpr):
         b_hi, b_mid, b_lo = _bf16x3(b)
         return tl.dot(a, b_hi, tl.dot(a, b_mid, tl.dot(a, b_lo)))
     elif HOW == 4:
-        return tl.dot(a.to(tl.bfloat16), b)
+        return tl.dot(a.to(b.dtype), b)
     elif HOW == 5:
-        return tl.dot(a, b.to(tl.bfloat16))
+        return tl.dot(a, b.to(a.dtype))
+    elif HOW == 6:
+        return tl.dot(round_to(a, b.dtype, True).to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif HOW == 7:
+        return tl.dot(a.to(tl.float32), round_to(b, a.dtype, True).to(tl.float32), input_precision="ieee")
+    elif HOW == 8:
+        a_hi_f, a_hi = _bf16_head(a)
+        return tl.dot(a_hi, b, tl.dot((a - a_hi_f).to(tl.bfloat16), b))
+    elif HOW == 9:
+        a_hi_f, _ = _bf16_head(a)
+        a_lo = round_to(a - a_hi_f, tl.bfloat16, True).to(tl.float32)
+        return tl.dot(a_hi_f, b.to(tl.float32), tl.dot(a_lo, b.to(tl.float32), input_precision="ieee"),
+                      input_precision="ieee")
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
@@ -141,7 +165,7 @@ def _ssd_chunk_cumsum_fwd_kernel(
     n_chunks, n_heads, dt_min, dt_max,
     stride_dt_t, stride_dt_h,
     stride_cs_c, stride_cs_h, stride_dc_c,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, CUMSUM_FP64: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Stage 1: Δ (zero past the chunk's end), the in-chunk cumulative sum of Δ·A and the decay across the chunk, for
@@ -167,7 +191,10 @@ def _ssd_chunk_cumsum_fwd_kernel(
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     delta = tl.where(mask, dt, 0.0)
     A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)                   # (BLOCK_H,)
-    dA_cumsum = tl.cumsum((delta * A[None, None, :]).to(tl.float64), axis=1)             # (BLOCK_C, BLOCK_Q, BLOCK_H)
+    dA = delta * A[None, None, :]
+    if CUMSUM_FP64:
+        dA = dA.to(tl.float64)
+    dA_cumsum = tl.cumsum(dA, axis=1)                                                     # (BLOCK_C, BLOCK_Q, BLOCK_H)
 
     offs = (offs_c.to(tl.int64)[:, None, None] * stride_cs_c + offs_h[None, None, :] * stride_cs_h
             + offs_t[None, :, None])
@@ -240,8 +267,49 @@ def _ssd_chunk_state_fwd_kernel(
 
 
 @triton.jit
+def _ssd_chunk_state_tile_kernel(
+    x_ptr, B_ptr, delta_ptr, dA_cumsum_ptr, states_ptr, chunk_start_ptr, chunk_len_ptr,
+    head_dim, d_state, heads_per_group,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_B_t, stride_B_g, stride_B_n,
+    stride_cs_c, stride_cs_h,
+    stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+    HOW_XB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Stage 2 as the GPU runs it: a (BLOCK_P, BLOCK_N) tile of one chunk's own final state, one head; 2-D tiles,
+    every address a scalar base (int64) plus tile offsets. Heads vary fastest across programs, so the programs running
+    together read the same chunk of B."""
+    head = tl.program_id(0)
+    chunk = tl.program_id(1).to(tl.int64)
+    offs_p, offs_n = _state_tile(tl.program_id(2), d_state, BLOCK_P, BLOCK_N)
+    mask_p = offs_p < head_dim
+    mask_n = offs_n < d_state
+    start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
+    length = tl.load(chunk_len_ptr + chunk)                  # 0 for a chunk past the real count: nothing runs
+    x_ptr += start * stride_x_t + head * stride_x_h
+    B_ptr += start * stride_B_t + (head // heads_per_group) * stride_B_g
+    dA_cumsum_ptr += chunk * stride_cs_c + head * stride_cs_h
+    delta_ptr += chunk * stride_cs_c + head * stride_cs_h
+    dA_last = tl.load(dA_cumsum_ptr + tl.maximum(length - 1, 0))
+
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, length, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < length
+        x = tl.load(x_ptr + offs_k[None, :] * stride_x_t + offs_p[:, None] * stride_x_p,
+                    mask=mask_p[:, None] & mask_k[None, :], other=0.0).to(tl.float32)   # (BLOCK_P, BLOCK_K)
+        b = tl.load(B_ptr + offs_k[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)                   # (BLOCK_K, BLOCK_N)
+        # decay to the chunk's end, ·Δ (Δ is 0 past the chunk's end, and cs constant there)
+        scale = tl.exp((dA_last - tl.load(dA_cumsum_ptr + offs_k)).to(tl.float32)) * tl.load(delta_ptr + offs_k)
+        acc += _dot(x * scale[None, :], b, HOW_XB)
+    tl.store(states_ptr + chunk * stride_st_c + head * stride_st_h + offs_p[:, None] * stride_st_p
+             + offs_n[None, :] * stride_st_n, acc, mask=mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _ssd_state_passing_fwd_kernel(
-    states_ptr, chunk_decay_ptr, seq_chunks_ptr,
+    states_ptr, states_in_ptr, chunk_decay_ptr, seq_chunks_ptr,
     ssm_states_ptr, state_indices_ptr, has_initial_state_ptr,
     n_heads, head_dim, d_state, n_slots,
     stride_dc_c,
@@ -251,7 +319,8 @@ def _ssd_state_passing_fwd_kernel(
 ):
     """Stage 3: for one sequence and BLOCK_H heads, a (BLOCK_P, BLOCK_N) tile of the state walked across its chunks.
 
-    In place: states[c] holds chunk c's own state on entry and the state entering chunk c on exit.
+    states[c] holds chunk c's own state; the state entering chunk c goes to states_in[c], in its dtype (fp32: the same
+    tensor, overwritten in place, each chunk's own state read before it is; 16-bit: rounded, products="rounded").
     """
     pid_b = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                          # (BLOCK_H,)
@@ -282,7 +351,7 @@ def _ssd_state_passing_fwd_kernel(
         has_next = i + 1 < n_chunks
         own_next = tl.load(states_ptr + offs + stride_st_c, mask=mask & has_next, other=0.0)
         decay_next = tl.load(chunk_decay_ptr + (c + 1) * stride_dc_c + offs_h, mask=mask_h & has_next, other=0.0)
-        tl.store(states_ptr + offs, state, mask=mask)
+        tl.store(states_in_ptr + offs, round_to(state, states_in_ptr.dtype.element_ty, ROUND_BY_BITS), mask=mask)
         state = decay[:, None, None] * state + own
         own, decay, offs = own_next, decay_next, offs + stride_st_c
     tl.store(ssm_states_ptr + pool_offs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS),
@@ -418,6 +487,97 @@ def _ssd_chunk_scan_fwd_kernel(
 
 
 @triton.jit
+def _ssd_chunk_scan_tile_kernel(
+    x_ptr, z_ptr, C_ptr, CB_ptr, D_ptr, delta_ptr, dA_cumsum_ptr, states_ptr, y_ptr,
+    chunk_start_ptr, chunk_len_ptr,
+    head_dim, d_state, heads_per_group,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_z_t, stride_z_h, stride_z_p,
+    stride_C_t, stride_C_g, stride_C_n,
+    stride_cb_c, stride_cb_g, stride_cb_m,
+    stride_cs_c, stride_cs_h,
+    stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+    stride_y_t, stride_y_h, stride_y_p,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HOW_CS: tl.constexpr, HOW_X: tl.constexpr,
+    M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Stage 4 as the GPU runs it: a (BLOCK_M, BLOCK_P) tile of y, rows m0 .. m0 + BLOCK_M of one chunk, one head;
+    2-D tiles throughout, every address a scalar base (int64) plus tile offsets. Heads vary fastest across programs,
+    so the programs running together read the same tiles of C·Bᵀ and C.
+
+    Every decay of the tile runs from some position k to a row m >= m0; those from k < m0 (the entering state's, k
+    the chunk's start, and the column blocks before the tile) factor through e = m0 - 1 (cs_e = 0 for m0 = 0):
+    exp(cs_m - cs_k) = exp(cs_m - cs_e)·exp(cs_e - cs_k), both exponents <= 0, since cs falls along a chunk. The row
+    factor multiplies the accumulator once, after those products; a column's factor (with its Δ) weights C·Bᵀ's
+    column. Only the diagonal block takes an exp per element."""
+    head = tl.program_id(0)
+    chunk = (tl.program_id(1) // M_BLOCKS).to(tl.int64)
+    m0 = (tl.program_id(1) % M_BLOCKS) * BLOCK_M
+    group = head // heads_per_group
+    start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
+    length = tl.load(chunk_len_ptr + chunk)                  # 0 for a chunk past the real count: nothing runs
+    x_ptr += start * stride_x_t + head * stride_x_h
+    C_ptr += start * stride_C_t + group * stride_C_g
+    CB_ptr += chunk * stride_cb_c + group * stride_cb_g
+    dA_cumsum_ptr += chunk * stride_cs_c + head * stride_cs_h
+    delta_ptr += chunk * stride_cs_c + head * stride_cs_h
+    states_ptr += chunk * stride_st_c + head * stride_st_h
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_m = offs_m < length
+    mask_p = offs_p < head_dim
+    dA_m = tl.load(dA_cumsum_ptr + offs_m)                   # (BLOCK_M,): written for all q positions of a chunk
+    dA_e = tl.load(dA_cumsum_ptr + m0 - 1, mask=m0 > 0, other=0.0)
+
+    # the state entering the chunk, read out by C, decayed from the chunk's (= its sequence's) start to e
+    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, tl.where(m0 < length, d_state, 0), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < d_state
+        c = tl.load(C_ptr + offs_m[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
+                    mask=mask_m[:, None] & mask_n[None, :], other=0.0)                   # (BLOCK_M, BLOCK_N)
+        s = tl.load(states_ptr + offs_n[:, None] * stride_st_n + offs_p[None, :] * stride_st_p,
+                    mask=mask_n[:, None] & mask_p[None, :], other=0.0)                   # (BLOCK_N, BLOCK_P)
+        acc += _dot(c, s, HOW_CS)
+    acc *= tl.exp(dA_e.to(tl.float32))
+
+    # inside the chunk: (C Bᵀ ∘ L)·(Δx), L[m, k] = exp(cs_m - cs_k) for k <= m; first the column blocks before m0
+    # (C·Bᵀ holds zeros past the chunk's end, and Δ is 0 there)
+    for k0 in range(0, tl.where(m0 < length, m0, 0), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        cb = tl.load(CB_ptr + offs_m[:, None] * stride_cb_m + offs_k[None, :])          # (BLOCK_M, BLOCK_K)
+        from_col = tl.exp((dA_e - tl.load(dA_cumsum_ptr + offs_k)).to(tl.float32)) * tl.load(delta_ptr + offs_k)
+        x_k = tl.load(x_ptr + offs_k[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
+                      mask=(offs_k < length)[:, None] & mask_p[None, :], other=0.0)     # (BLOCK_K, BLOCK_P)
+        acc += _dot(cb * from_col[None, :], x_k, HOW_X)
+    acc *= tl.exp(tl.minimum(dA_m - dA_e, 0.0).to(tl.float32))[:, None]
+
+    # then the diagonal block: columns m0 up to the tile's last row (and the chunk's end)
+    for k0 in range(m0, tl.minimum(length, m0 + BLOCK_M), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        cb = tl.load(CB_ptr + offs_m[:, None] * stride_cb_m + offs_k[None, :])          # (BLOCK_M, BLOCK_K)
+        dA_k = tl.load(dA_cumsum_ptr + offs_k)
+        causal = offs_m[:, None] >= offs_k[None, :]
+        decay = tl.exp(tl.where(causal, (dA_m[:, None] - dA_k[None, :]).to(tl.float32), float("-inf")))
+        x_k = tl.load(x_ptr + offs_k[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
+                      mask=(offs_k < length)[:, None] & mask_p[None, :], other=0.0)     # (BLOCK_K, BLOCK_P)
+        acc += _dot(cb * decay * tl.load(delta_ptr + offs_k)[None, :], x_k, HOW_X)
+
+    mask = mask_m[:, None] & mask_p[None, :]                                              # (BLOCK_M, BLOCK_P)
+    if HAS_D:
+        x_m = tl.load(x_ptr + offs_m[:, None] * stride_x_t + offs_p[None, :] * stride_x_p, mask=mask,
+                      other=0.0).to(tl.float32)
+        acc += tl.load(D_ptr + head).to(tl.float32) * x_m
+    if HAS_Z:
+        z_m = tl.load(z_ptr + start * stride_z_t + head * stride_z_h + offs_m[:, None] * stride_z_t
+                      + offs_p[None, :] * stride_z_p, mask=mask, other=0.0).to(tl.float32)
+        acc *= z_m * tl.sigmoid(z_m)
+    tl.store(y_ptr + start * stride_y_t + head * stride_y_h + offs_m[:, None] * stride_y_t
+             + offs_p[None, :] * stride_y_p, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _logical_chunks_kernel(
     cu_seqlens_ptr, chunk_start_ptr, chunk_len_ptr, seq_chunks_ptr, n_seqs, n_chunks, chunk_size,
     BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -487,10 +647,10 @@ class _Blocks(NamedTuple):
     with products; tensor_cores: whether 16-bit inputs take the tensor-core products of _dot (GPU) or fp32 FMAs;
     max_registers: a cap on the registers a thread of stages 2 and 4 may use when x is bf16 (ptxas's maxnreg; 0:
     none), which sets how many of their programs an SM holds at once (65536 registers an SM, 128 threads a program);
-    exact_products: False only in bench/sweep_scan.py's experiment (see _dot's table, 4 and 5); scan_m, scan_k, scan_p,
-    scan_warps, scan_stages: stage 4's rows, column step, head-dim columns, warps and stages when not 0 (otherwise m,
-    m, p, warps and stages), for the sweep to vary stage 4 alone (scan_m may not exceed m: stage 4 reads the C·Bᵀ
-    tiles on and below the diagonal, in m-row blocks)."""
+    scan_m, scan_k, scan_p, scan_warps, scan_stages, scan_max_registers: stage 4's rows, column step, head-dim columns,
+    warps, stages and register cap when not 0 (otherwise m, m, p, warps, stages and max_registers), for the sweep to
+    vary stage 4 alone (scan_m may not exceed m: stage 4 reads the C·Bᵀ tiles on and below the diagonal, in m-row
+    blocks)."""
     chunk: int
     q: int
     m: int
@@ -505,37 +665,42 @@ class _Blocks(NamedTuple):
     stages: int
     tensor_cores: bool
     max_registers: int = 0
-    exact_products: bool = True
     scan_m: int = 0
     scan_k: int = 0
     scan_p: int = 0
     scan_warps: int = 0
     scan_stages: int = 0
+    scan_max_registers: int = 0
 
 
-def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, device: torch.device) -> _Blocks:
+def _block_sizes(chunk_size: int, n_heads: int, head_dim: int, d_state: int, products: str,
+                 device: torch.device) -> _Blocks:
     """tl.dot needs every side >= 16, so q, m, p and n are padded up to that. GPU: one chunk and one head per program
-    past stage 1 (the grid supplies the parallelism): 2-D tiles, which Triton maps onto Hopper's wgmma; a whole
-    (64, 128) state per stage-2 program, so x·decay is split into bf16 pieces once. Stage 1 takes 8 heads per
-    program whatever H is: with 4 (a model of 4 heads), triton 3.6 fails to compile it for sm_90 ("operand does not
-    dominate this use" in its layout pass; _compile_check compiles the scan at such a shape). Picked on an H200 with
+    past stage 1 (the grid supplies the parallelism): 2-D tiles, which Triton maps onto Hopper's wgmma; a whole (64,
+    128) state per stage-2 program, so x·decay is split into bf16 pieces once. Stage 1 takes 8 heads per program
+    whatever H is: with 4 (a model of 4 heads), triton 3.6 fails to compile it for sm_90 ("operand does not dominate
+    this use" in its layout pass; _compile_check compiles the scan at such a shape). Picked on an H200 with
     bench/sweep_scan.py (2026-11-30, Bamba-9B, 32K and 2K tokens): (64, 64) stage-3 tiles and no software pipelining
-    (num_stages 1: less shared memory, more programs per SM) were the fastest of the variations tried; 8 warps, 32- or
-    128-wide C·S steps, 4 stages and chunks of 64 or 128 were slower. Registers capped at 168 a thread (stage 4
-    needs 208 uncapped, stage 2 174: two 128-thread programs an SM; at 168 three fit, with no spills, and the same
-    results bit for bit): 14% less time at 32K tokens, 8% at 2K (bench/sweep_scan.py, H200); 128 (four programs,
-    some spills) and 8 warps at 128 were slower. Interpreter, where every program costs the same fixed time
-    whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4 heads
-    per program, so that tests with more chunks or heads than that still cross block edges."""
+    (num_stages 1: less shared memory, more programs per SM) were the fastest of the variations tried; 8 warps, 32-
+    or 128-wide C·S steps, 4 stages and chunks of 64 or 128 were slower. Registers capped at 168 a thread (stage 4
+    needed 208 uncapped in its batched form, 160 as a tile kernel; stage 2 174: two 128-thread programs an SM; at 168
+    three fit, with no spills, and the same results bit for bit): 14% less time at 32K tokens, 8% at 2K
+    (bench/sweep_scan.py, H200); 128 (four programs, some spills) and 8 warps at 128 were slower. products="rounded"
+    (2026-12-04, by device time at 2K-32K tokens): stage 4 capped at 128 registers, its C·S read-out in one 128-wide
+    step; stage 2 stays at 168 (its two bf16 products spill 480 bytes at 128). Interpreter, where every program costs
+    the same fixed time whatever its size: 256 rows' worth of chunks (16 chunks of Q <= 16, 4 of Q = 128) and up to 4
+    heads per program, so that tests with more chunks or heads than that still cross block edges."""
     block_q = max(16, next_power_of_2(chunk_size))
     block_m = min(64, block_q)
     block_p = min(64, max(16, next_power_of_2(head_dim)))
     block_n = max(16, next_power_of_2(d_state))
     heads_cumsum = next_power_of_2(n_heads)
     if device.type == "cuda":
+        rounded = products == "rounded"
         return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(128, block_n),
-                       n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=8, c=1, h=1,
-                       warps=4, stages=1, tensor_cores=True, max_registers=168)
+                       n_pass=min(64, block_n), n_scan=min(128 if rounded else 64, block_n), h_cumsum=8, c=1, h=1,
+                       warps=4, stages=1, tensor_cores=True, max_registers=168,
+                       scan_max_registers=128 if rounded else 0)
     return _Blocks(chunk=chunk_size, q=block_q, m=block_m, p=block_p, n_state=min(64, block_n),
                    n_pass=min(64, block_n), n_scan=min(64, block_n), h_cumsum=min(16, heads_cumsum),
                    c=256 // block_m, h=min(4, heads_cumsum), warps=4, stages=1, tensor_cores=False)
@@ -564,6 +729,7 @@ def ssd_scan(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     check_indices: bool = True,
+    products: str = "fp32",
 ) -> torch.Tensor:
     """The selective state-space recurrence over packed sequences, by the SSD chunked algorithm (Triton).
 
@@ -578,7 +744,16 @@ def ssd_scan(
     kernels are queued and waited for after them (vendored/ops/_index_check.py); the kernels never read or write a
     slot outside the pool, so a call that raises has written only y and the slots it names. check_indices=False
     skips the copy and the wait, for a caller that built the values and vouches for them (the engine).
+
+    products: "fp32" (default), every product and sum as accurate as fp32 (the module docstring says how); or
+    "rounded", the peers' precision (vLLM's and mamba_ssm's kernels): each fp32 intermediate that meets a 16-bit input
+    in a product (x·decay·Δ against B, the entering states against C, C·Bᵀ∘L·Δ against x) is rounded once to that
+    input's dtype, and the cumulative sums of Δ·A run in fp32. Faster; its error against the fp64 twin is bounded in
+    tests/kernels/test_ssd_scan.py by what those roundings can cost, and measured beside the peers' by bench/kernels.py.
+    With an fp32 x the two are the same computation.
     """
+    if products not in ("fp32", "rounded"):
+        raise ValueError(f"products: expected 'fp32' or 'rounded', got {products!r}")
     if x.dim() != 3:
         raise ValueError(f"x: expected shape (T, H, P), got {tuple(x.shape)}")
     if x.dtype not in _INPUT_DTYPES:
@@ -611,7 +786,7 @@ def ssd_scan(
     if n_seqs == 0:
         check()
         return y
-    blocks = _block_sizes(chunk_size, n_heads, head_dim, d_state, x.device)
+    blocks = _block_sizes(chunk_size, n_heads, head_dim, d_state, products, x.device)
     chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, blocks.chunk, n_tokens)
     n_chunks = chunk_start.shape[0]                                                       # NC (an upper bound)
     on_gpu = blocks.tensor_cores
@@ -620,17 +795,27 @@ def ssd_scan(
     m_blocks = blocks.q // blocks.m
     f32 = dict(dtype=torch.float32, device=x.device)
     # _dot's precision for each product (see its table): 16-bit operands take the tensor cores on the GPU only
-    how_cb = 0 if on_gpu and B.dtype == C.dtype and B.dtype in (torch.bfloat16, torch.float16) else 3
-    how_xb = 1 if on_gpu and B.dtype == torch.bfloat16 else 3           # (x·decay·Δ)ᵀ @ B       (stage 2)
-    how_cs = 2 if on_gpu and C.dtype == torch.bfloat16 else 3           # C @ state entering    (stage 4)
-    how_x = 1 if on_gpu and x.dtype == torch.bfloat16 else 3            # (C·Bᵀ∘L·Δ) @ x         (stage 4)
-    if not blocks.exact_products:                                       # the experiment: one rounded product
-        how_xb, how_cs, how_x = ({1: 4}.get(how_xb, how_xb), {2: 5}.get(how_cs, how_cs), {1: 4}.get(how_x, how_x))
+    half = (torch.bfloat16, torch.float16)
+    rounded = products == "rounded" and x.dtype in half          # fp32 x: nothing to round to, the fp32 mode
+    how_cb = 0 if on_gpu and B.dtype == C.dtype and B.dtype in half else 3
+    if rounded:                # one rounding to the 16-bit operand's dtype (GPU: 4; interpreter: 6, the same math)
+        # stage 2's products make the final states, which the next call starts from: x·decay·Δ as two bf16 pieces
+        # there (8, 9), so the states are off by 2^-15 rather than bf16's 2^-8 (fp16 B: one rounding to fp16, 2^-11)
+        how_xb = ({torch.bfloat16: 8 if on_gpu else 9, torch.float16: 4 if on_gpu else 6}.get(B.dtype, 3))
+        how_cs = (0 if on_gpu else 3) if C.dtype in half else 3         # C @ state entering, stored in C's dtype
+        how_x = (4 if on_gpu else 6) if x.dtype in half else 3          # (C·Bᵀ∘L·Δ) @ x         (stage 4)
+    else:
+        how_xb = 1 if on_gpu and B.dtype == torch.bfloat16 else 3       # (x·decay·Δ)ᵀ @ B       (stage 2)
+        how_cs = 2 if on_gpu and C.dtype == torch.bfloat16 else 3       # C @ state entering    (stage 4)
+        how_x = 1 if on_gpu and x.dtype == torch.bfloat16 else 3        # (C·Bᵀ∘L·Δ) @ x         (stage 4)
 
     # the register cap was measured for the tensor-core products (bf16 x); the fp32 FMA paths would spill under it
-    registers = {"maxnreg": blocks.max_registers} if blocks.max_registers and how_x == 1 else {}
+    registers = {"maxnreg": blocks.max_registers} if blocks.max_registers and how_x in (1, 4) else {}
+    scan_cap = blocks.scan_max_registers or blocks.max_registers
+    scan_registers = {"maxnreg": scan_cap} if scan_cap and how_x in (1, 4) else {}
     delta = torch.empty(n_chunks, n_heads, blocks.q, **f32)                              # (NC, H, Q)
-    dA_cumsum = torch.empty(n_chunks, n_heads, blocks.q, dtype=torch.float64, device=x.device)   # (NC, H, Q)
+    dA_cumsum = torch.empty(n_chunks, n_heads, blocks.q, dtype=torch.float32 if rounded else torch.float64,
+                            device=x.device)                                              # (NC, H, Q)
     chunk_decay = torch.empty(n_chunks, n_heads, **f32)                                  # (NC, H)
     dt_min, dt_max = dt_limit
     has_dt_limit = dt_min > 0.0 or dt_max < math.inf
@@ -640,26 +825,43 @@ def ssd_scan(
         dt.stride(0), dt.stride(1),
         delta.stride(0), delta.stride(1), chunk_decay.stride(0),
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_dt_limit,
-        BLOCK_C=blocks.c, BLOCK_Q=blocks.q, BLOCK_H=blocks.h_cumsum,
+        CUMSUM_FP64=not rounded, BLOCK_C=blocks.c, BLOCK_Q=blocks.q, BLOCK_H=blocks.h_cumsum,
     )
 
     states = torch.empty(n_chunks, n_heads, head_dim, d_state, **f32)                    # (NC, H, P, N)
     heads_per_group = n_heads // n_groups
-    _ssd_chunk_state_fwd_kernel[(head_blocks, chunk_blocks,
-                                 cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_state))](
-        x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
-        n_chunks, n_heads, head_dim, d_state, heads_per_group,
-        x.stride(0), x.stride(1), x.stride(2),
-        B.stride(0), B.stride(1), B.stride(2),
-        delta.stride(0), delta.stride(1),
-        states.stride(0), states.stride(1), states.stride(2), states.stride(3),
-        HOW_XB=how_xb, BLOCK_C=blocks.c, BLOCK_H=blocks.h, BLOCK_K=blocks.m, BLOCK_P=blocks.p,
-        BLOCK_N=blocks.n_state, num_warps=blocks.warps, num_stages=blocks.stages, **registers,
-    )
+    tiles = blocks.c == 1 and blocks.h == 1          # the GPU's launch: 2-D tiles, one chunk and head a program
+    if tiles:
+        _ssd_chunk_state_tile_kernel[(n_heads, n_chunks, cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_state))](
+            x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
+            head_dim, d_state, heads_per_group,
+            x.stride(0), x.stride(1), x.stride(2),
+            B.stride(0), B.stride(1), B.stride(2),
+            delta.stride(0), delta.stride(1),
+            states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+            HOW_XB=how_xb, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n_state,
+            num_warps=blocks.warps, num_stages=blocks.stages, **registers,
+        )
+    else:
+        _ssd_chunk_state_fwd_kernel[(head_blocks, chunk_blocks,
+                                     cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_state))](
+            x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
+            n_chunks, n_heads, head_dim, d_state, heads_per_group,
+            x.stride(0), x.stride(1), x.stride(2),
+            B.stride(0), B.stride(1), B.stride(2),
+            delta.stride(0), delta.stride(1),
+            states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+            HOW_XB=how_xb, BLOCK_C=blocks.c, BLOCK_H=blocks.h, BLOCK_K=blocks.m, BLOCK_P=blocks.p,
+            BLOCK_N=blocks.n_state, num_warps=blocks.warps, num_stages=blocks.stages, **registers,
+        )
 
+    # the states entering the chunks: in place over the chunks' own (fp32), or rounded to C's 16-bit dtype once here
+    # rather than in every stage-4 program that reads them (products="rounded")
+    states_in = (torch.empty(states.shape, dtype=C.dtype, device=x.device) if rounded and C.dtype in half
+                 else states)
     _ssd_state_passing_fwd_kernel[(n_seqs, head_blocks,
                                    cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_pass))](
-        states, chunk_decay, seq_chunks,
+        states, states_in, chunk_decay, seq_chunks,
         ssm_states, state_indices,
         has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state,
         n_heads, head_dim, d_state, ssm_states.shape[0],
@@ -687,8 +889,32 @@ def ssd_scan(
         raise ValueError(f"stage 4's rows ({scan_m}) exceed the C·Bᵀ tile ({blocks.m}): "
                          "it would read tiles that were not written")
     scan_m_blocks = blocks.q // scan_m
+    scan_k = blocks.scan_k or scan_m
+    # (an fp32 x on the GPU, whose products run as fp32 FMAs, keeps the batched kernel: the tile kernel's three
+    # product loops spill there, 16-24 bytes, at any column step)
+    if tiles and not (on_gpu and how_x == 3):
+        if scan_m % scan_k:
+            raise ValueError(f"stage 4's column step ({scan_k}) does not divide its rows ({scan_m})")
+        _ssd_chunk_scan_tile_kernel[(n_heads, n_chunks * scan_m_blocks, cdiv(head_dim, scan_p))](
+            x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states_in, y,
+            chunk_start, chunk_len,
+            head_dim, d_state, heads_per_group,
+            x.stride(0), x.stride(1), x.stride(2),
+            *(z.stride() if z is not None else (0, 0, 0)),
+            C.stride(0), C.stride(1), C.stride(2),
+            cb.stride(0), cb.stride(1), cb.stride(2),
+            delta.stride(0), delta.stride(1),
+            states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+            y.stride(0), y.stride(1), y.stride(2),
+            HAS_D=D is not None, HAS_Z=z is not None, HOW_CS=how_cs, HOW_X=how_x,
+            M_BLOCKS=scan_m_blocks, BLOCK_M=scan_m, BLOCK_K=scan_k, BLOCK_P=scan_p, BLOCK_N=blocks.n_scan,
+            num_warps=blocks.scan_warps or blocks.warps, num_stages=blocks.scan_stages or blocks.stages,
+            **scan_registers,
+        )
+        check()
+        return y
     _ssd_chunk_scan_fwd_kernel[(head_blocks, chunk_blocks * scan_m_blocks, cdiv(head_dim, scan_p))](
-        x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states, y,
+        x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states_in, y,
         chunk_start, chunk_len,
         n_chunks, n_heads, head_dim, d_state, heads_per_group,
         x.stride(0), x.stride(1), x.stride(2),
@@ -700,8 +926,8 @@ def ssd_scan(
         y.stride(0), y.stride(1), y.stride(2),
         HAS_D=D is not None, HAS_Z=z is not None, HOW_CS=how_cs, HOW_X=how_x,
         M_BLOCKS=scan_m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
-        BLOCK_M=scan_m, BLOCK_K=blocks.scan_k or scan_m, BLOCK_P=scan_p, BLOCK_N=blocks.n_scan,
-        num_warps=blocks.scan_warps or blocks.warps, num_stages=blocks.scan_stages or blocks.stages, **registers,
+        BLOCK_M=scan_m, BLOCK_K=scan_k, BLOCK_P=scan_p, BLOCK_N=blocks.n_scan,
+        num_warps=blocks.scan_warps or blocks.warps, num_stages=blocks.scan_stages or blocks.stages, **scan_registers,
     )
     check()
     return y
