@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from reference.ops import ssd_scan_ref
 from vendored.ops import causal_conv1d, causal_conv1d_update, rms_norm_gated, selective_state_update, ssd_scan
 
 
@@ -157,6 +158,10 @@ def _esz(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+# the scan's fp64 twin runs one token at a time (two tensor ops a token): ~1 s at 32K tokens on a GPU
+TWIN_MAX_TOKENS = 32768
+
+
 def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype: torch.dtype,
               check_indices: bool = False) -> Case:
     s, device, dtype, _ = setup
@@ -175,14 +180,27 @@ def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype
 
         no_initial = torch.zeros(n_seqs, dtype=torch.bool, device=device)                        # (B,)
 
-        def ours():
+        def ours(products="fp32"):
             states, out = pool.clone(), {}
 
             def run():
                 out["y"] = ssd_scan(x, dt, p["A"], B, C, chunk_size=s.Q, D=p["D"], dt_bias=p["dt_bias"], z=None,
                                     cu_seqlens=cu, ssm_states=states, state_indices=slots,
-                                    has_initial_state=no_initial, check_indices=check_indices)
+                                    has_initial_state=no_initial, check_indices=check_indices, products=products)
             return run, lambda: (out["y"], states[slots64])
+
+        def twin64():
+            # the oracle in fp64 on the same (bf16) inputs: not timed, the yardstick of every implementation's error
+            out = {}
+
+            def run():
+                states = pool.double()
+                out["y"] = ssd_scan_ref(x.double(), dt.double(), p["A"].double(), B.double(), C.double(),
+                                        chunk_size=s.Q, D=p["D"].double(), dt_bias=p["dt_bias"].double(), z=None,
+                                        cu_seqlens=cu, ssm_states=states, state_indices=slots,
+                                        has_initial_state=no_initial)
+                out["states"] = states[slots64]
+            return run, lambda: (out["y"], out["states"])
 
         def vllm():
             v = peers["vllm"]
@@ -226,7 +244,10 @@ def scan_case(setup: Setup, peers: dict, n_tokens: int, n_seqs: int, state_dtype
                 out["y"], out["states"] = (o[0] + x * p["D"][:, None].to(dtype)).to(dtype), final
             return run, lambda: (out["y"], out["states"])
 
-        return _available(dict(ours=ours, vllm=vllm, mamba_ssm=mamba_ssm, fla=fla), peers)
+        impls = dict(ours=ours, ours_rounded=lambda: ours("rounded"), vllm=vllm, mamba_ssm=mamba_ssm, fla=fla)
+        if n_tokens <= TWIN_MAX_TOKENS:
+            impls["twin64"] = twin64
+        return _available(impls, peers)
 
     counts = scan_counts(s, n_tokens, n_seqs, _esz(dtype), _esz(state_dtype))
     return Case("ssd_scan", f"T{n_tokens}-seqs{n_seqs}", counts, "bench", build,
@@ -429,4 +450,5 @@ def copy_case(setup: Setup, batch: int, state_dtype: torch.dtype) -> Case:
 
 
 def _available(impls: dict[str, Callable], peers: dict) -> dict[str, Impl]:
-    return {name: Impl(prepare) for name, prepare in impls.items() if name == "ours" or name in peers}
+    return {name: Impl(prepare) for name, prepare in impls.items()
+            if name.startswith(("ours", "twin")) or name in peers}

@@ -192,6 +192,8 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
                 torch.cuda.synchronize()
             outputs[name] = tuple(t.detach().clone() for t in read())
             entry["nonfinite"] = nonfinite(outputs[name])
+            if name.startswith("twin"):                  # an oracle: its outputs are the yardstick, not timed
+                continue
             try:
                 ms = time_call(run, case.timing, a, on_gpu)
             except Exception as e:                   # e.g. a call that cannot be captured: time it uncaptured
@@ -207,19 +209,26 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if on_gpu:
             torch.cuda.synchronize()
-    if "ours" in outputs:
+    # ours: the op's default; ours_<mode>: another mode of it (the scan's products="rounded"), a row of its own
+    for ours in [name for name in outputs if name.startswith("ours")]:
+        suffix = ours.removeprefix("ours")
         for peer in PEER_NAMES:
             if peer in outputs:
                 try:
-                    row["impls"][peer]["max_abs_diff"] = [max_abs_diff(o, p)
-                                                          for o, p in zip(outputs["ours"], outputs[peer])]
+                    row["impls"][peer]["max_abs_diff" + suffix] = [max_abs_diff(o, p)
+                                                                   for o, p in zip(outputs[ours], outputs[peer])]
                 except Exception as e:
-                    row["impls"][peer]["max_abs_diff_error"] = f"{type(e).__name__}: {e}"
-        row["impls"]["ours"]["max_abs"] = [t.float().abs().max().item() if t.numel() else 0.0
-                                           for t in outputs["ours"]]
+                    row["impls"][peer]["max_abs_diff_error" + suffix] = f"{type(e).__name__}: {e}"
+        row["impls"][ours]["max_abs"] = [t.float().abs().max().item() if t.numel() else 0.0 for t in outputs[ours]]
+    twin = next((name for name in outputs if name.startswith("twin")), None)
+    if twin:                                             # every implementation's error against the fp64 oracle
+        for name, out in outputs.items():
+            if name != twin:
+                row["impls"][name]["error_vs_fp64"] = [max_abs_diff(o, t) for o, t in zip(out, outputs[twin])]
     peer_ms = [row["impls"][p]["ms"] for p in PEER_NAMES if "ms" in row["impls"].get(p, {})]
-    if peer_ms and "ms" in row["impls"].get("ours", {}):
-        row["ratio"] = min(peer_ms) / row["impls"]["ours"]["ms"]
+    for ours in [name for name in row["impls"] if name.startswith("ours")]:
+        if peer_ms and "ms" in row["impls"][ours]:
+            row["ratio" + ours.removeprefix("ours")] = min(peer_ms) / row["impls"][ours]["ms"]
     return row
 
 
@@ -254,24 +263,41 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {op: i for i, op in enumerate(OP_ORDER)}
     for r in sorted(rows, key=lambda r: (order[r["op"]], r["index"])):
-        impls = r["impls"]
-        main = impls.get("ours") or impls.get("torch") or {}
-        notes = [f"{n}: {e['error']}" for n, e in impls.items() if "error" in e]
-        notes += [f"{n}: {e['nonfinite']} non-finite" for n, e in impls.items() if e.get("nonfinite")]
-        notes += [f"{n}: {e['timing']}" for n, e in impls.items() if "timing" in e]
-        if "error" in r:
-            notes.append(r["error"])
-        if "of_copy" in main:
-            notes.append(f"{main['of_copy']:.0%} of copy bandwidth")
-        if "max_abs" in main:
-            notes.append("ours max abs " + "; ".join(f"{v:.3g}" for v in main["max_abs"]))
-        diffs = ["; ".join(f"{v:.2g}" for v in impls[p]["max_abs_diff"]) if "max_abs_diff" in impls.get(p, {})
-                 else "-" for p in peers]
-        cells = [r["op"], r["case"], _fmt(main.get("ms"), ".4f"), _fmt(main.get("tbps"), ".2f"),
-                 _fmt(main.get("tflops"), ".1f"), *[_fmt(impls.get(p, {}).get("ms"), ".4f") for p in peers],
-                 _fmt(r.get("ratio"), ".2f"), *diffs, " · ".join(notes).replace("|", "/")]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines += [table_line(r, suffix, peers) for suffix in variants(r)]
     return "\n".join(lines) + "\n"
+
+
+def variants(row: dict) -> list[str]:
+    """The table lines of a case: "" for ours (the op's default), "_<mode>" for each other mode of ours it ran."""
+    return [""] + sorted(name.removeprefix("ours") for name in row["impls"] if name.startswith("ours_"))
+
+
+def table_line(r: dict, suffix: str, peers: list[str]) -> str:
+    impls = r["impls"]
+    main = impls.get("ours" + suffix) or (impls.get("torch") if not suffix else None) or {}
+    own = {n: e for n, e in impls.items() if not n.startswith("ours") or n == "ours" + suffix}
+    notes = [f"{n}: {e['error']}" for n, e in own.items() if "error" in e]
+    notes += [f"{n}: {e['nonfinite']} non-finite" for n, e in own.items() if e.get("nonfinite")]
+    notes += [f"{n}: {e['timing']}" for n, e in own.items() if "timing" in e]
+    if "error" in r:
+        notes.append(r["error"])
+    if "of_copy" in main:
+        notes.append(f"{main['of_copy']:.0%} of copy bandwidth")
+    if "max_abs" in main:
+        notes.append("ours max abs " + "; ".join(f"{v:.3g}" for v in main["max_abs"]))
+    errors = [(n.removeprefix("ours" + suffix) or "ours") if n.startswith("ours") else n
+              for n, e in own.items() if "error_vs_fp64" in e]
+    if errors:
+        notes.append("max abs error vs the fp64 twin (y; state): " + ", ".join(
+            f"{label} {'; '.join(f'{v:.2g}' for v in own[n]['error_vs_fp64'])}"
+            for label, n in zip(errors, [n for n, e in own.items() if "error_vs_fp64" in e])))
+    key = "max_abs_diff" + suffix
+    diffs = ["; ".join(f"{v:.2g}" for v in impls[p][key]) if key in impls.get(p, {}) else "-" for p in peers]
+    op = r["op"] + (f" ({suffix[1:]})" if suffix else "")
+    cells = [op, r["case"], _fmt(main.get("ms"), ".4f"), _fmt(main.get("tbps"), ".2f"),
+             _fmt(main.get("tflops"), ".1f"), *[_fmt(impls.get(p, {}).get("ms"), ".4f") for p in peers],
+             _fmt(r.get("ratio" + suffix), ".2f"), *diffs, " · ".join(notes).replace("|", "/")]
+    return "| " + " | ".join(cells) + " |"
 
 
 def plot(rows: list[dict], path: Path) -> str | None:
@@ -282,7 +308,8 @@ def plot(rows: list[dict], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib missing: no PNG"
-    ranked = [r for r in rows if "ratio" in r]
+    ranked = [dict(op=r["op"] + (f" ({suffix[1:]})" if suffix else ""), case=r["case"], ratio=r["ratio" + suffix])
+              for r in rows for suffix in variants(r) if "ratio" + suffix in r]
     if not ranked:
         return "no ratios to plot"
     labels = [f"{r['op']} {r['case']}" for r in ranked]
@@ -342,9 +369,10 @@ def main(argv=None) -> int:
             row = dict(run_case(case, a, on_gpu, log), index=index)
             rows.append(row)
             summary = "  ".join(f"{n} {e['ms']:.4f} ms" if "ms" in e else f"{n} FAILED"
-                                for n, e in row["impls"].items())
+                                for n, e in row["impls"].items() if not n.startswith("twin"))
             log(f"{case.op:<24} {case.name:<26} {summary}"
-                + (f"  ratio {row['ratio']:.2f}" if "ratio" in row else "")
+                + "".join(f"  ratio{suffix} {row['ratio' + suffix]:.2f}" for suffix in variants(row)
+                          if "ratio" + suffix in row)
                 + f"  [{time.time() - t_start:.0f}s]")
             write_outputs(out, rows, meta, final=False)
             if on_gpu:

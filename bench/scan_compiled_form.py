@@ -1,7 +1,7 @@
 """What the SSD scan's product kernels compile to on Hopper, without a GPU: for each, the registers and spills
 ptxas reports for sm_90a and how its tiles move through shared memory (TTGIR ops and PTX instructions).
 
-    .venv/bin/python -m bench.scan_compiled_form [--dump DIR]        # CPU is enough, ~1 minute
+    .venv/bin/python -m bench.scan_compiled_form [--products rounded] [--dump DIR]   # CPU is enough, ~1 minute
 
 The scan is called once as the engine calls it (bf16 x, B, C; fp32 state pool; D and dt_bias; Bamba-9B widths)
 under vendored/ops/_compile_check.py's launch catcher, and its stage-2 and stage-4 launches are compiled for sm_90.
@@ -27,6 +27,7 @@ PTX_OPS = ("st.shared", "ld.shared", "ldmatrix", "bar.sync", "ex2.approx")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m bench.scan_compiled_form", description=__doc__.split("\n\n")[0])
     p.add_argument("--dump", default=None, help="folder for each kernel's .ttgir and .ptx")
+    p.add_argument("--products", default="fp32", choices=("fp32", "rounded"), help="ssd_scan's precision mode")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     catcher = cc.LaunchCatcher()
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
         ssd_scan(bf16(9, H, P), bf16(9, H), -torch.rand(H), bf16(9, G, N), bf16(9, G, N), chunk_size=Q,
                  D=torch.randn(H), dt_bias=torch.randn(H), z=None, cu_seqlens=index(0, 4, 9),
                  ssm_states=torch.randn(5, H, P, N), state_indices=index(1, 3),
-                 has_initial_state=torch.tensor([True, False]))
+                 has_initial_state=torch.tensor([True, False]), products=a.products)
     for launch in catcher.launches:
         name = launch.kernel.fn.__name__
         if name not in cc.TENSOR_CORE_KERNELS:

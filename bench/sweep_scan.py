@@ -34,12 +34,12 @@ scan_module = importlib.import_module("vendored.ops.ssd_scan")
 
 CASES = ((32768, 1), (8192, 8), (2048, 1))
 # candidates whose time is also broken down kernel by kernel (CUDA profiler), and the peers'
-PROFILED = ("default", "w8_max_registers128", "w8_max_registers_none", "EXPERIMENT_rounded_products")
+PROFILED = ("default", "rounded")
 PROFILED_PEERS = ("vllm", "fla")
 
 
-def candidates(default) -> dict[str, object]:
-    """Name -> _Blocks: the default and variations around it."""
+def candidates(default, rounded_default) -> dict[str, tuple[str, object]]:
+    """Name -> (products, _Blocks): the defaults of both precision modes and variations around them."""
     out = {"default": default}
     # (narrower state tiles, 3 stages, 32-wide C·S steps, 128-row tiles on 8 warps and 32-wide head-dim tiles were
     # slower than the default in the sweeps of 2026-11-30: bench/results/2026-11-30-h200-after/sweep_scan.txt; stages
@@ -72,12 +72,16 @@ def candidates(default) -> dict[str, object]:
     # 2.18, experiment_stage4_cb_per_head.json there: every head recomputes its group's C·Bᵀ)
     # not a launch choice: the fp32 intermediates rounded to bf16 for one product each, as the peers do (outputs fail
     # our accuracy tests); what the numerics policy costs, measured
-    out["EXPERIMENT_rounded_products"] = default._replace(exact_products=False)
-    out["EXPERIMENT_rounded_products_w8"] = default._replace(exact_products=False, scan_warps=8)
+    out = {name: ("fp32", blocks) for name, blocks in out.items()}
+    # products="rounded": its own default (stage 4 capped at 128 registers, stage 2 at 168) and variations
+    for name, change in (("", {}), ("_max_registers128", dict(max_registers=128)),
+                         ("_scan_max_registers168", dict(scan_max_registers=168)),
+                         ("_n_scan128", dict(n_scan=128)), ("_k32", dict(scan_k=32))):
+        out["rounded" + name] = ("rounded", rounded_default._replace(**change))
     unique = {}
-    for name, blocks in out.items():             # a variation equal to the default is not timed twice
-        unique.setdefault(blocks, name)
-    return {name: blocks for blocks, name in unique.items()}
+    for name, candidate in out.items():          # a variation equal to the default is not timed twice
+        unique.setdefault(candidate, name)
+    return {name: candidate for candidate, name in unique.items()}
 
 
 def profile_kernels(run) -> list[tuple[str, float]]:
@@ -120,7 +124,8 @@ def main(argv=None) -> int:
     peers = load_peers(a.peers, print)
     setup = Setup(BAMBA_9B, torch.device("cuda"), torch.bfloat16, 0)
     real_block_sizes = scan_module._block_sizes
-    default = real_block_sizes(BAMBA_9B.Q, BAMBA_9B.H, BAMBA_9B.P, BAMBA_9B.N, torch.device("cuda"))
+    default = real_block_sizes(BAMBA_9B.Q, BAMBA_9B.H, BAMBA_9B.P, BAMBA_9B.N, "fp32", torch.device("cuda"))
+    rounded_default = real_block_sizes(BAMBA_9B.Q, BAMBA_9B.H, BAMBA_9B.P, BAMBA_9B.N, "rounded", torch.device("cuda"))
     results, started = [], time.time()
     for n_tokens, n_seqs in CASES:
         impls = scan_case(setup, peers, n_tokens, n_seqs, torch.float32).build()
@@ -133,10 +138,10 @@ def main(argv=None) -> int:
                 row.setdefault("profiles", {})[peer] = profile_kernels(run)
         row["peer_autotuned"] = autotuned_configs()
         reference = None
-        for name, blocks in candidates(default).items():
+        for name, (products, blocks) in candidates(default, rounded_default).items():
             scan_module._block_sizes = lambda *args, _b=blocks: _b
             try:
-                run, read = impls["ours"].prepare()
+                run, read = impls["ours" if products == "fp32" else "ours_rounded"].prepare()
                 run()
                 torch.cuda.synchronize()
                 y = read()[0].clone()
