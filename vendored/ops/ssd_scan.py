@@ -786,7 +786,9 @@ def ssd_scan(
     if n_seqs == 0:
         check()
         return y
-    blocks = _block_sizes(chunk_size, n_heads, head_dim, d_state, products, x.device)
+    half = (torch.bfloat16, torch.float16)
+    rounded = products == "rounded" and x.dtype in half          # fp32 x: nothing to round to, the fp32 mode
+    blocks = _block_sizes(chunk_size, n_heads, head_dim, d_state, "rounded" if rounded else "fp32", x.device)
     chunk_start, chunk_len, seq_chunks = _logical_chunks(cu_seqlens, blocks.chunk, n_tokens)
     n_chunks = chunk_start.shape[0]                                                       # NC (an upper bound)
     on_gpu = blocks.tensor_cores
@@ -795,8 +797,6 @@ def ssd_scan(
     m_blocks = blocks.q // blocks.m
     f32 = dict(dtype=torch.float32, device=x.device)
     # _dot's precision for each product (see its table): 16-bit operands take the tensor cores on the GPU only
-    half = (torch.bfloat16, torch.float16)
-    rounded = products == "rounded" and x.dtype in half          # fp32 x: nothing to round to, the fp32 mode
     how_cb = 0 if on_gpu and B.dtype == C.dtype and B.dtype in half else 3
     if rounded:                # one rounding to the 16-bit operand's dtype (GPU: 4; interpreter: 6, the same math)
         # stage 2's products make the final states, which the next call starts from: x·decay·Δ as two bf16 pieces
@@ -831,29 +831,22 @@ def ssd_scan(
     states = torch.empty(n_chunks, n_heads, head_dim, d_state, **f32)                    # (NC, H, P, N)
     heads_per_group = n_heads // n_groups
     tiles = blocks.c == 1 and blocks.h == 1          # the GPU's launch: 2-D tiles, one chunk and head a program
+    # what both forms of stage 2 take (the batched one also the chunk and head counts, which it cuts into blocks)
+    operands = (x, B, delta, dA_cumsum, states, chunk_start, chunk_len)
+    strides = (x.stride(0), x.stride(1), x.stride(2),
+               B.stride(0), B.stride(1), B.stride(2),
+               delta.stride(0), delta.stride(1),
+               states.stride(0), states.stride(1), states.stride(2), states.stride(3))
+    launch = dict(HOW_XB=how_xb, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n_state, num_warps=blocks.warps,
+                  num_stages=blocks.stages, **registers)
+    state_tiles = cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_state)
     if tiles:
-        _ssd_chunk_state_tile_kernel[(n_heads, n_chunks, cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_state))](
-            x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
-            head_dim, d_state, heads_per_group,
-            x.stride(0), x.stride(1), x.stride(2),
-            B.stride(0), B.stride(1), B.stride(2),
-            delta.stride(0), delta.stride(1),
-            states.stride(0), states.stride(1), states.stride(2), states.stride(3),
-            HOW_XB=how_xb, BLOCK_K=blocks.m, BLOCK_P=blocks.p, BLOCK_N=blocks.n_state,
-            num_warps=blocks.warps, num_stages=blocks.stages, **registers,
-        )
+        _ssd_chunk_state_tile_kernel[(n_heads, n_chunks, state_tiles)](
+            *operands, head_dim, d_state, heads_per_group, *strides, **launch)
     else:
-        _ssd_chunk_state_fwd_kernel[(head_blocks, chunk_blocks,
-                                     cdiv(head_dim, blocks.p) * cdiv(d_state, blocks.n_state))](
-            x, B, delta, dA_cumsum, states, chunk_start, chunk_len,
-            n_chunks, n_heads, head_dim, d_state, heads_per_group,
-            x.stride(0), x.stride(1), x.stride(2),
-            B.stride(0), B.stride(1), B.stride(2),
-            delta.stride(0), delta.stride(1),
-            states.stride(0), states.stride(1), states.stride(2), states.stride(3),
-            HOW_XB=how_xb, BLOCK_C=blocks.c, BLOCK_H=blocks.h, BLOCK_K=blocks.m, BLOCK_P=blocks.p,
-            BLOCK_N=blocks.n_state, num_warps=blocks.warps, num_stages=blocks.stages, **registers,
-        )
+        _ssd_chunk_state_fwd_kernel[(head_blocks, chunk_blocks, state_tiles)](
+            *operands, n_chunks, n_heads, head_dim, d_state, heads_per_group, *strides,
+            BLOCK_C=blocks.c, BLOCK_H=blocks.h, **launch)
 
     # the states entering the chunks: in place over the chunks' own (fp32), or rounded to C's 16-bit dtype once here
     # rather than in every stage-4 program that reads them (products="rounded")
@@ -890,44 +883,29 @@ def ssd_scan(
                          "it would read tiles that were not written")
     scan_m_blocks = blocks.q // scan_m
     scan_k = blocks.scan_k or scan_m
+    operands = (x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states_in, y,
+                chunk_start, chunk_len)
+    strides = (x.stride(0), x.stride(1), x.stride(2),
+               *(z.stride() if z is not None else (0, 0, 0)),
+               C.stride(0), C.stride(1), C.stride(2),
+               cb.stride(0), cb.stride(1), cb.stride(2),
+               delta.stride(0), delta.stride(1),
+               states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+               y.stride(0), y.stride(1), y.stride(2))
+    launch = dict(HAS_D=D is not None, HAS_Z=z is not None, HOW_CS=how_cs, HOW_X=how_x, M_BLOCKS=scan_m_blocks,
+                  BLOCK_M=scan_m, BLOCK_K=scan_k, BLOCK_P=scan_p, BLOCK_N=blocks.n_scan,
+                  num_warps=blocks.scan_warps or blocks.warps, num_stages=blocks.scan_stages or blocks.stages,
+                  **scan_registers)
     # (an fp32 x on the GPU, whose products run as fp32 FMAs, keeps the batched kernel: the tile kernel's three
     # product loops spill there, 16-24 bytes, at any column step)
     if tiles and not (on_gpu and how_x == 3):
         if scan_m % scan_k:
             raise ValueError(f"stage 4's column step ({scan_k}) does not divide its rows ({scan_m})")
         _ssd_chunk_scan_tile_kernel[(n_heads, n_chunks * scan_m_blocks, cdiv(head_dim, scan_p))](
-            x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states_in, y,
-            chunk_start, chunk_len,
-            head_dim, d_state, heads_per_group,
-            x.stride(0), x.stride(1), x.stride(2),
-            *(z.stride() if z is not None else (0, 0, 0)),
-            C.stride(0), C.stride(1), C.stride(2),
-            cb.stride(0), cb.stride(1), cb.stride(2),
-            delta.stride(0), delta.stride(1),
-            states.stride(0), states.stride(1), states.stride(2), states.stride(3),
-            y.stride(0), y.stride(1), y.stride(2),
-            HAS_D=D is not None, HAS_Z=z is not None, HOW_CS=how_cs, HOW_X=how_x,
-            M_BLOCKS=scan_m_blocks, BLOCK_M=scan_m, BLOCK_K=scan_k, BLOCK_P=scan_p, BLOCK_N=blocks.n_scan,
-            num_warps=blocks.scan_warps or blocks.warps, num_stages=blocks.scan_stages or blocks.stages,
-            **scan_registers,
-        )
-        check()
-        return y
-    _ssd_chunk_scan_fwd_kernel[(head_blocks, chunk_blocks * scan_m_blocks, cdiv(head_dim, scan_p))](
-        x, z if z is not None else x, C, cb, D if D is not None else A, delta, dA_cumsum, states_in, y,
-        chunk_start, chunk_len,
-        n_chunks, n_heads, head_dim, d_state, heads_per_group,
-        x.stride(0), x.stride(1), x.stride(2),
-        *(z.stride() if z is not None else (0, 0, 0)),
-        C.stride(0), C.stride(1), C.stride(2),
-        cb.stride(0), cb.stride(1), cb.stride(2),
-        delta.stride(0), delta.stride(1),
-        states.stride(0), states.stride(1), states.stride(2), states.stride(3),
-        y.stride(0), y.stride(1), y.stride(2),
-        HAS_D=D is not None, HAS_Z=z is not None, HOW_CS=how_cs, HOW_X=how_x,
-        M_BLOCKS=scan_m_blocks, BLOCK_C=blocks.c, BLOCK_H=blocks.h,
-        BLOCK_M=scan_m, BLOCK_K=scan_k, BLOCK_P=scan_p, BLOCK_N=blocks.n_scan,
-        num_warps=blocks.scan_warps or blocks.warps, num_stages=blocks.scan_stages or blocks.stages, **scan_registers,
-    )
+            *operands, head_dim, d_state, heads_per_group, *strides, **launch)
+    else:
+        _ssd_chunk_scan_fwd_kernel[(head_blocks, chunk_blocks * scan_m_blocks, cdiv(head_dim, scan_p))](
+            *operands, n_chunks, n_heads, head_dim, d_state, heads_per_group, *strides,
+            BLOCK_C=blocks.c, BLOCK_H=blocks.h, **launch)
     check()
     return y
