@@ -285,12 +285,11 @@ def table_line(r: dict, suffix: str, peers: list[str]) -> str:
         notes.append(f"{main['of_copy']:.0%} of copy bandwidth")
     if "max_abs" in main:
         notes.append("ours max abs " + "; ".join(f"{v:.3g}" for v in main["max_abs"]))
-    errors = [(n.removeprefix("ours" + suffix) or "ours") if n.startswith("ours") else n
-              for n, e in own.items() if "error_vs_fp64" in e]
+    errors = {("ours" if n.startswith("ours") else n): e["error_vs_fp64"] for n, e in own.items()
+              if "error_vs_fp64" in e}
     if errors:
         notes.append("max abs error vs the fp64 twin (y; state): " + ", ".join(
-            f"{label} {'; '.join(f'{v:.2g}' for v in own[n]['error_vs_fp64'])}"
-            for label, n in zip(errors, [n for n, e in own.items() if "error_vs_fp64" in e])))
+            f"{label} {'; '.join(f'{v:.2g}' for v in values)}" for label, values in errors.items()))
     key = "max_abs_diff" + suffix
     diffs = ["; ".join(f"{v:.2g}" for v in impls[p][key]) if key in impls.get(p, {}) else "-" for p in peers]
     op = r["op"] + (f" ({suffix[1:]})" if suffix else "")
