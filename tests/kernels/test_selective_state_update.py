@@ -1,8 +1,13 @@
 """selective_state_update (one decode step of the SSM recurrence) against its twin selective_state_update_ref: every
-output element, every live row's state, padding rows that read and write nothing, untouched slots bit-identical."""
+output element, every live row's state, padding rows that read and write nothing, untouched slots bit-identical.
+
+Every test runs each launch form the op has: on the CPU the interpreter's own (a batch of rows × heads a program)
+and the GPU's (the 2-D tile kernel, one row and one head a program, here with channel tiles of 8 so that P = 16
+spans two and odd P leaves a tail); on a GPU its own choice."""
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -11,7 +16,18 @@ import torch
 from reference.ops import discretize_dt, selective_state_update_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
 from tests.kernels.test_causal_conv1d import assert_rejected
-from vendored.ops.selective_state_update import selective_state_update
+from vendored.ops.selective_state_update import SsuLaunch, selective_state_update
+
+ssu_module = importlib.import_module("vendored.ops.selective_state_update")
+LAUNCHES = {"own-launch": None} | ({} if DEVICE == "cuda" else {"gpu-tile-kernel": SsuLaunch(1, 1, 8, 1)})
+
+
+@pytest.fixture(autouse=True, params=list(LAUNCHES))
+def launch_form(request, monkeypatch):
+    """The launch every test of this module runs with (the module docstring says which)."""
+    if LAUNCHES[request.param] is not None:
+        monkeypatch.setattr(ssu_module, "_block_sizes", lambda *args: LAUNCHES[request.param])
+    return request.param
 
 K = 2.0
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}

@@ -124,6 +124,91 @@ the cache eviction policy of the state's load and store ("" or "evict_first": re
              round_to(y, y_ptr.dtype.element_ty, ROUND_BY_BITS), mask=mask_y)
 
 
+@triton.jit
+def _selective_state_update_tile_kernel(
+    ssm_states_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, z_ptr, state_indices_ptr, y_ptr,
+    n_rows, n_heads, head_dim, d_state, heads_per_group, pad_slot_id, n_slots, dt_min, dt_max,
+    stride_states_s, stride_states_h, stride_states_p, stride_states_n,
+    stride_x_b, stride_x_h, stride_x_p,
+    stride_dt_b, stride_dt_h,
+    stride_A_h,
+    stride_B_b, stride_B_g, stride_B_n,
+    stride_C_b, stride_C_g, stride_C_n,
+    stride_D_h,
+    stride_dt_bias_h,
+    stride_z_b, stride_z_h, stride_z_p,
+    stride_y_b, stride_y_h, stride_y_p,
+    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_DT_LIMIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_PN: tl.constexpr,
+    STATE_EVICTION: tl.constexpr, ROUND_BY_BITS: tl.constexpr,
+):
+    """The GPU's form of the kernel above: one row and one head a program, BLOCK_P of its channels × all N, so that
+    the row, head, slot and Δ are scalars and the tiles 2-D. Same equations and the same fp32 operations in the same
+    order; same program order (P tiles fastest, then heads, then rows).
+
+    What a decode step waits for is a chain of dependent loads. The slot is loaded first and the state right after
+    it; the row's own inputs (x, dt, B, C, z: in bounds whatever the slot) are loaded without waiting for the slot,
+    so that Δ and its exponential are computed while the state is in flight. A padding row or one whose slot lies
+    outside the pool still reads and writes no slot."""
+    pid = tl.program_id(0)
+    n_tiles_p = tl.cdiv(head_dim, BLOCK_P)
+    pid_p = pid % n_tiles_p
+    pid_bh = pid // n_tiles_p
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = pid_bh % n_heads
+    g = h // heads_per_group
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)                   # (BLOCK_P,)
+    offs_n = tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
+
+    slot = tl.load(state_indices_ptr + b).to(tl.int64)
+    real = slot != pad_slot_id
+    live = real & (slot >= 0) & (slot < n_slots)
+    if EVEN_PN:                                                        # the row's inputs need no mask
+        mask_p = None
+        mask_n = None
+        fill = None
+        live_pn = live
+    else:
+        mask_p = offs_p < head_dim
+        mask_n = offs_n < d_state
+        fill = 0.0
+        live_pn = live & mask_p[:, None] & mask_n[None, :]
+    state_ptrs = (ssm_states_ptr + slot * stride_states_s + h * stride_states_h
+                  + offs_p[:, None] * stride_states_p + offs_n[None, :] * stride_states_n)
+    state = tl.load(state_ptrs, mask=live_pn, other=0.0, eviction_policy=STATE_EVICTION).to(tl.float32)
+
+    dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + h * stride_dt_bias_h).to(tl.float32)
+    if DT_SOFTPLUS:
+        dt = _softplus(dt)
+    if HAS_DT_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    decay = tl.exp(dt * tl.load(A_ptr + h * stride_A_h).to(tl.float32))
+    x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p, mask=mask_p,
+                other=fill).to(tl.float32)                              # (BLOCK_P,)
+    B = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n * stride_B_n, mask=mask_n,
+                other=fill).to(tl.float32)                              # (BLOCK_N,)
+    C = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n * stride_C_n, mask=mask_n,
+                other=fill).to(tl.float32)
+
+    state = decay * state + (dt * x)[:, None] * B[None, :]
+    tl.store(state_ptrs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=live_pn,
+             eviction_policy=STATE_EVICTION)
+
+    y = tl.sum(state * C[None, :], axis=1)                             # (BLOCK_P,)
+    if HAS_D:
+        y += tl.load(D_ptr + h * stride_D_h).to(tl.float32) * x
+    if HAS_Z:
+        z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p * stride_z_p, mask=mask_p,
+                    other=fill).to(tl.float32)
+        y *= z / (1.0 + tl.exp(-z))
+    # padding: 0; a slot outside the pool: NaN, so that the bad value shows instead of passing for padding
+    y = tl.where(live, y, tl.where(real, float("nan"), 0.0))
+    tl.store(y_ptr + b * stride_y_b + h * stride_y_h + offs_p * stride_y_p,
+             round_to(y, y_ptr.dtype.element_ty, ROUND_BY_BITS), mask=mask_p)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,7 +225,8 @@ def _expect_float(name: str, t: torch.Tensor) -> None:
 
 
 class SsuLaunch(NamedTuple):
-    """How the kernel is launched: each program takes block_b rows × block_h heads × block_p channels × all N."""
+    """How the op is launched: each program takes block_b rows × block_h heads × block_p channels × all N; one row
+    and one head (the GPU's choice) runs the 2-D tile kernel, anything else the batched one."""
     block_b: int
     block_h: int
     block_p: int
@@ -150,9 +236,11 @@ class SsuLaunch(NamedTuple):
 
 def _block_sizes(n_heads: int, head_dim: int, d_state: int, state_dtype: torch.dtype,
                  device: torch.device) -> SsuLaunch:
-    """GPU: one row and one head per program, and a tile of the head's (P, N) state of 512 elements (fp32 pool) or
-    2048 (16-bit pool), one warp: many small programs keep enough loads in flight on every SM at batch 1 and at
-    batch 256 alike; bench/sweep_norm_ssu.py times the alternatives. Interpreter, where every program costs the same
+    """GPU: one row and one head per program (the 2-D tile kernel), and a tile of the head's (P, N) state of 512
+    elements (fp32 pool) or 2048 (16-bit pool), one warp: many small programs keep enough loads in flight on every SM
+    at batch 1 and at batch 256 alike; bench/sweep_norm_ssu.py times the alternatives (on the tile kernel,
+    2026-12-04, fp32 pool: 8 channels a program about 2% faster at batch 64 and 256, nothing faster at batch 1 and 8
+    in two runs). Interpreter, where every program costs the same
     fixed time: up to 4 rows, 4 heads and 16 channels per program, so that tests with more rows, heads or channels
     than that still cross tile edges."""
     if device.type == "cuda":
@@ -237,9 +325,12 @@ def selective_state_update(
     stand_in = A                                                       # never read when its flag is False
     D_arg, dt_bias_arg = (D if D is not None else stand_in), (dt_bias if dt_bias is not None else stand_in)
     z_arg = z if z is not None else x
-    grid = (cdiv(n_rows, launch.block_b) * cdiv(n_heads, launch.block_h)
-            * cdiv(head_dim, launch.block_p),)
-    _selective_state_update_fwd_kernel[grid](
+    tile = launch.block_b == launch.block_h == 1                      # the GPU's launch (see _block_sizes)
+    kernel = _selective_state_update_tile_kernel if tile else _selective_state_update_fwd_kernel
+    grid = (cdiv(n_rows, launch.block_b) * cdiv(n_heads, launch.block_h) * cdiv(head_dim, launch.block_p),)
+    blocks = dict(BLOCK_P=launch.block_p) if tile else dict(BLOCK_B=launch.block_b, BLOCK_H=launch.block_h,
+                                                             BLOCK_P=launch.block_p)
+    kernel[grid](
         ssm_states, x, dt, A, B, C, D_arg, dt_bias_arg, z_arg, state_indices, y,
         n_rows, n_heads, head_dim, d_state, n_heads // n_groups, pad_slot_id, ssm_states.shape[0], float(dt_min),
         float(dt_max),
@@ -255,7 +346,7 @@ def selective_state_update(
         *y.stride(),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, HAS_Z=z is not None, DT_SOFTPLUS=dt_softplus,
         HAS_DT_LIMIT=dt_min > 0.0 or dt_max < math.inf,
-        BLOCK_B=launch.block_b, BLOCK_H=launch.block_h, BLOCK_P=launch.block_p, BLOCK_N=block_n,
+        BLOCK_N=block_n, **blocks,
         EVEN_PN=head_dim % launch.block_p == 0 and d_state == block_n, STATE_EVICTION=launch.state_eviction,
         ROUND_BY_BITS=interpreted(), num_warps=launch.num_warps,
     )
