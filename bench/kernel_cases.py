@@ -275,12 +275,14 @@ def ssu_case(setup: Setup, peers: dict, batch: int, state_dtype: torch.dtype) ->
         D_hp, dt_bias_hp = p["D"][:, None].expand(s.H, s.P), p["dt_bias"][:, None].expand(s.H, s.P)
 
         def ours():
-            states, out = pool.clone(), {}
+            # y in x's dtype through `out`, as the engine calls it and as the peers write theirs (returned, y would
+            # be fp32 beside an fp32 pool: twice the bytes the counts and the peers write)
+            states, y = pool.clone(), torch.empty_like(x)
 
             def run():
-                out["y"] = selective_state_update(states, x, dt, p["A"], B, C, D=p["D"], dt_bias=p["dt_bias"],
-                                                  z=None, state_indices=slots)
-            return run, lambda: (out["y"], states[slots64])
+                selective_state_update(states, x, dt, p["A"], B, C, D=p["D"], dt_bias=p["dt_bias"], z=None,
+                                       state_indices=slots, out=y)
+            return run, lambda: (y, states[slots64])
 
         def vllm():
             states, y = pool.clone(), torch.empty_like(x)

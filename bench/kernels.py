@@ -16,7 +16,10 @@ peer_loader.py beside vendor/; docs/kernels.md); without it, only our ops run.
 Timing: prefill-sized calls with triton.testing.do_bench (median; L2 flushed before every call; first call, with
 its compile and autotune, excluded); decode calls with a CUDA graph of --graph-calls back-to-back calls, replayed
 --graph-replays times (median per call; no L2 flush, so a batch-1 pool that fits in L2 is read from L2 by all
-alike). Cases run most important first and stop starting new ones after --budget seconds; a failing call is
+alike), in --graph-rounds rounds that time every implementation once each, in a new shuffled order every round (a
+decode call lasts microseconds: clock and cache drift over one implementation's timing would otherwise favour
+whichever ran at the better moment); its time is the median over rounds, and the notes give the range of the
+per-round ratio. Cases run most important first and stop starting new ones after --budget seconds; a failing call is
 reported in its row and the run goes on. After every case the JSON and the markdown table in --out are rewritten.
 
 Columns: ms; TB/s and TFLOP/s from the bytes a call must move and the FLOPs it must do (counted in
@@ -31,6 +34,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -57,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench measuring time")
     p.add_argument("--graph-calls", type=int, default=20, help="calls captured in one CUDA graph")
     p.add_argument("--graph-replays", type=int, default=15, help="timed replays of that graph")
+    p.add_argument("--graph-rounds", type=int, default=7,
+                   help="rounds of graph timing, all implementations once a round, shuffled (median over rounds)")
     p.add_argument("--only", default="", help="comma-separated ops to run (default: all)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -137,7 +143,7 @@ def time_call(run, how: str, a: argparse.Namespace, on_gpu: bool) -> float:
 
 
 def time_graph(run, a: argparse.Namespace) -> float:
-    """Median milliseconds per call over replays of one CUDA graph holding a.graph_calls calls."""
+    """Median milliseconds per call over a.graph_replays replays of one CUDA graph holding a.graph_calls calls."""
     side = torch.cuda.Stream()                       # warm up off the capture stream, as torch.cuda.graphs advises
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -162,6 +168,25 @@ def time_graph(run, a: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
+def time_in_rounds(runs: dict, a: argparse.Namespace, measure=time_graph) -> tuple[dict, dict]:
+    """({name: ms per call in each of a.graph_rounds rounds}, {name: exception}): every round measures each run once
+    (a graph captured, replayed and freed: one graph alive at a time), in a new shuffled order (seeded by --seed).
+    A run whose measurement raises (a call that cannot be captured) leaves the rounds, its exception returned."""
+    rng = random.Random(a.seed)
+    rounds: dict[str, list[float]] = {name: [] for name in runs}
+    failed: dict[str, Exception] = {}
+    for _ in range(max(1, a.graph_rounds)):
+        order = [name for name in runs if name not in failed]
+        rng.shuffle(order)
+        for name in order:
+            try:
+                rounds[name].append(measure(runs[name], a))
+            except Exception as e:
+                traceback.print_exc()
+                failed[name] = e
+    return {name: times for name, times in rounds.items() if name not in failed}, failed
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
@@ -182,7 +207,7 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
         traceback.print_exc()
         row["error"] = f"inputs: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return row
-    outputs = {}
+    outputs, graphed = {}, {}
     for name, impl in impls.items():
         entry = row["impls"].setdefault(name, {})
         try:
@@ -194,21 +219,28 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
             entry["nonfinite"] = nonfinite(outputs[name])
             if name.startswith("twin"):                  # an oracle: its outputs are the yardstick, not timed
                 continue
-            try:
-                ms = time_call(run, case.timing, a, on_gpu)
-            except Exception as e:                   # e.g. a call that cannot be captured: time it uncaptured
-                if case.timing != "graph":
-                    raise
-                traceback.print_exc()
-                entry["timing"] = f"do_bench (CUDA graph failed: {type(e).__name__})"
-                ms = time_call(run, "bench", a, on_gpu)
-            entry.update(ms=ms, tbps=case.counts.bytes / (ms * 1e-3) / 1e12,
-                         tflops=case.counts.flops / (ms * 1e-3) / 1e12)
+            if case.timing == "graph" and on_gpu:
+                graphed[name] = run                  # timed below, in rounds with the others
+            else:
+                set_time(entry, case, time_call(run, case.timing, a, on_gpu))
         except Exception as e:
             traceback.print_exc()
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if on_gpu:
             torch.cuda.synchronize()
+    if graphed:
+        rounds, failed = time_in_rounds(graphed, a)
+        for name, times in rounds.items():
+            set_time(row["impls"][name], case, statistics.median(times))
+            row["impls"][name]["ms_rounds"] = times
+        for name, e in failed.items():                   # e.g. a call that cannot be captured: time it uncaptured
+            entry = row["impls"][name]
+            try:
+                entry["timing"] = f"do_bench (CUDA graph failed: {type(e).__name__})"
+                set_time(entry, case, time_call(graphed[name], "bench", a, on_gpu))
+            except Exception as e2:
+                traceback.print_exc()
+                entry["error"] = f"{type(e2).__name__}: {str(e2).splitlines()[0][:200] if str(e2) else ''}"
     # ours: the op's default; ours_<mode>: another mode of it (the scan's products="rounded"), a row of its own
     for ours in [name for name in outputs if name.startswith("ours")]:
         suffix = ours.removeprefix("ours")
@@ -226,10 +258,19 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
             if name != twin:
                 row["impls"][name]["error_vs_fp64"] = [max_abs_diff(o, t) for o, t in zip(out, outputs[twin])]
     peer_ms = [row["impls"][p]["ms"] for p in PEER_NAMES if "ms" in row["impls"].get(p, {})]
+    peer_rounds = [row["impls"][p]["ms_rounds"] for p in PEER_NAMES if "ms_rounds" in row["impls"].get(p, {})]
     for ours in [name for name in row["impls"] if name.startswith("ours")]:
         if peer_ms and "ms" in row["impls"][ours]:
             row["ratio" + ours.removeprefix("ours")] = min(peer_ms) / row["impls"][ours]["ms"]
+        own_rounds = row["impls"][ours].get("ms_rounds")
+        if peer_rounds and own_rounds and len(own_rounds) > 1:   # the faster peer of each round / ours that round
+            per_round = [min(p[i] for p in peer_rounds) / t for i, t in enumerate(own_rounds)]
+            row["ratio_rounds" + ours.removeprefix("ours")] = [min(per_round), max(per_round)]
     return row
+
+
+def set_time(entry: dict, case: Case, ms: float) -> None:
+    entry.update(ms=ms, tbps=case.counts.bytes / (ms * 1e-3) / 1e12, tflops=case.counts.flops / (ms * 1e-3) / 1e12)
 
 
 def add_copy_fractions(rows: list[dict]) -> None:
@@ -281,6 +322,9 @@ def table_line(r: dict, suffix: str, peers: list[str]) -> str:
     notes += [f"{n}: {e['timing']}" for n, e in own.items() if "timing" in e]
     if "error" in r:
         notes.append(r["error"])
+    if "ratio_rounds" + suffix in r:
+        low, high = r["ratio_rounds" + suffix]
+        notes.append(f"peer/ours per round {low:.2f}-{high:.2f} ({len(main['ms_rounds'])} rounds)")
     if "of_copy" in main:
         notes.append(f"{main['of_copy']:.0%} of copy bandwidth")
     if "max_abs" in main:

@@ -47,8 +47,10 @@ from vendored.ops.selective_state_update import SsuLaunch
 norm_module = importlib.import_module("vendored.ops.rms_norm_gated")
 ssu_module = importlib.import_module("vendored.ops.selective_state_update")
 
-OPS = {"rms_norm_gated": (norm_module, norm_module._rms_norm_gated_fwd_kernel),
-       "selective_state_update": (ssu_module, ssu_module._selective_state_update_fwd_kernel)}
+# each op's module and the kernels its launches may run
+OPS = {"rms_norm_gated": (norm_module, (norm_module._rms_norm_gated_fwd_kernel,)),
+       "selective_state_update": (ssu_module, (ssu_module._selective_state_update_tile_kernel,
+                                               ssu_module._selective_state_update_fwd_kernel))}
 EVICT = "evict_first"
 
 
@@ -148,16 +150,18 @@ def precompile(op: str, impls: dict, launches: list, on_gpu: bool, workers: int)
     if not on_gpu:
         return
     from triton.runtime._async_compile import AsyncCompileMode
-    kernel = OPS[op][1]
-    original = kernel.run
-    kernel.run = lambda *args, grid, warmup, **kwargs: original(*args, grid=grid, warmup=True, **kwargs)
+    kernels = OPS[op][1]
+    for kernel in kernels:
+        kernel.run = (lambda *args, grid, warmup, _run=type(kernel).run.__get__(kernel), **kwargs:
+                      _run(*args, grid=grid, warmup=True, **kwargs))
     try:
         with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool):
             for launch in launches:
                 with launching(op, launch):
                     impls["ours"].prepare()[0]()
     finally:
-        del kernel.run
+        for kernel in kernels:
+            del kernel.run
 
 
 def sweep_stage(case: Case, impls: dict, launches: list, reference, a, on_gpu: bool, deadline: float,
@@ -283,14 +287,15 @@ def compile_only(workers: int) -> int:
              for dt in (torch.float32, torch.bfloat16)]
     plan += [(op, with_eviction(launch), call) for op, launch, call in plan]
     for op, launch, call in plan:
-        kernel = OPS[op][1]
-        kernel.run = lambda *args, grid, warmup, _k=kernel, _d=describe(launch), **kw: caught.append(
-            Launch(_k, args, kw, f"{op}: {_d}"))
+        for kernel in OPS[op][1]:
+            kernel.run = lambda *args, grid, warmup, _k=kernel, _d=describe(launch), **kw: caught.append(
+                Launch(_k, args, kw, f"{op}: {_d}"))
         try:
             with launching(op, launch):
                 call()
         finally:
-            del kernel.run
+            for kernel in OPS[op][1]:
+                del kernel.run
     builds = {}
     for launch in caught:
         key, build = compile_for_gpu(launch)

@@ -132,3 +132,37 @@ def test_a_peer_that_fails_to_load_is_named_in_the_table(tmp_path, monkeypatch):
                                               "fla": "NotImplementedError: planted: no fla"}
     first = table.splitlines()[0]
     assert "fla FAILED TO LOAD (NotImplementedError: planted: no fla)" in first and "vllm FAILED TO LOAD" in first
+
+
+def test_graph_rounds_time_every_implementation_once_a_round_in_shuffled_orders():
+    from argparse import Namespace
+
+    from bench.kernels import time_in_rounds
+
+    calls = []
+
+    def measure(run, a):
+        calls.append(run)
+        if run == "uncapturable":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return {"ours": 1.0, "vllm": 2.0, "mamba_ssm": 3.0}[run] + len(calls) * 1e-6
+
+    runs = {name: name for name in ("ours", "vllm", "mamba_ssm", "uncapturable")}
+    rounds, failed = time_in_rounds(runs, Namespace(graph_rounds=6, seed=0), measure)
+    assert {name: len(times) for name, times in rounds.items()} == {"ours": 6, "vllm": 6, "mamba_ssm": 6}
+    assert list(failed) == ["uncapturable"] and calls.count("uncapturable") == 1, "a failed run stays in the rounds"
+    timed = [c for c in calls if c != "uncapturable"]
+    orders = [tuple(timed[i:i + 3]) for i in range(0, len(timed), 3)]
+    assert all(sorted(order) == ["mamba_ssm", "ours", "vllm"] for order in orders), orders
+    assert len(set(orders)) > 1, f"every round ran in the same order: {orders[0]}"
+    assert all(abs(t - {"ours": 1.0, "vllm": 2.0, "mamba_ssm": 3.0}[name]) < 1e-3
+               for name, times in rounds.items() for t in times)
+
+
+def test_the_table_gives_the_range_of_the_per_round_ratio():
+    from bench.kernels import table_line
+
+    row = dict(op="selective_state_update", case="batch1-state_float32", ratio=1.02, ratio_rounds=[0.97, 1.05],
+               impls=dict(ours=dict(ms=0.0035, tbps=2.4, tflops=0.0, ms_rounds=[0.0035] * 7),
+                          vllm=dict(ms=0.0036, ms_rounds=[0.0036] * 7)))
+    assert "peer/ours per round 0.97-1.05 (7 rounds)" in table_line(row, "", ["vllm"])
