@@ -16,10 +16,10 @@ peer_loader.py beside vendor/; docs/kernels.md); without it, only our ops run.
 Timing: prefill-sized calls with triton.testing.do_bench (median; L2 flushed before every call; first call, with
 its compile and autotune, excluded); decode calls with a CUDA graph of --graph-calls back-to-back calls, replayed
 --graph-replays times (median per call; no L2 flush, so a batch-1 pool that fits in L2 is read from L2 by all
-alike), in --graph-rounds rounds that time every implementation once each, in a new shuffled order every round (a
-decode call lasts microseconds: clock and cache drift over one implementation's timing would otherwise favour
-whichever ran at the better moment); its time is the median over rounds, and the notes give the range of the
-per-round ratio. Cases run most important first and stop starting new ones after --budget seconds; a failing call is
+alike). Both in rounds (--bench-rounds, --graph-rounds) that time every implementation once each, in a new shuffled
+order every round: a decode call lasts microseconds and a 2K prefill follows the host's launch, and clock, cache or
+host drift over one implementation's timing would otherwise favour whichever ran at the better moment. An
+implementation's time is the median over rounds; the notes give the range of the per-round ratio. Cases run most important first and stop starting new ones after --budget seconds; a failing call is
 reported in its row and the run goes on. After every case the JSON and the markdown table in --out are rewritten.
 
 Columns: ms; TB/s and TFLOP/s from the bytes a call must move and the FLOPs it must do (counted in
@@ -63,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--graph-replays", type=int, default=15, help="timed replays of that graph")
     p.add_argument("--graph-rounds", type=int, default=7,
                    help="rounds of graph timing, all implementations once a round, shuffled (median over rounds)")
+    p.add_argument("--bench-rounds", type=int, default=3, help="the same for the do_bench-timed (prefill) cases")
     p.add_argument("--only", default="", help="comma-separated ops to run (default: all)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -136,10 +137,7 @@ def time_call(run, how: str, a: argparse.Namespace, on_gpu: bool) -> float:
         t0 = time.perf_counter()
         run()
         return (time.perf_counter() - t0) * 1e3
-    if how == "bench":
-        import triton.testing
-        return triton.testing.do_bench(run, warmup=a.warmup_ms, rep=a.rep_ms, return_mode="median")
-    return time_graph(run, a)
+    return bench_once(run, a) if how == "bench" else time_graph(run, a)
 
 
 def time_graph(run, a: argparse.Namespace) -> float:
@@ -168,14 +166,21 @@ def time_graph(run, a: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
-def time_in_rounds(runs: dict, a: argparse.Namespace, measure=time_graph) -> tuple[dict, dict]:
-    """({name: ms per call in each of a.graph_rounds rounds}, {name: exception}): every round measures each run once
-    (a graph captured, replayed and freed: one graph alive at a time), in a new shuffled order (seeded by --seed).
-    A run whose measurement raises (a call that cannot be captured) leaves the rounds, its exception returned."""
+def bench_once(run, a: argparse.Namespace) -> float:
+    """do_bench's median milliseconds per call (L2 flushed before each call)."""
+    import triton.testing
+    return triton.testing.do_bench(run, warmup=a.warmup_ms, rep=a.rep_ms, return_mode="median")
+
+
+def time_in_rounds(runs: dict, a: argparse.Namespace, measure, n_rounds: int) -> tuple[dict, dict]:
+    """({name: ms per call in each of n_rounds rounds}, {name: exception}): every round measures each run once
+    (`measure(run, a)`: time_graph captures, replays and frees its graph, one alive at a time), in a new shuffled
+    order (seeded by --seed). A run whose measurement raises (e.g. a call that cannot be captured) leaves the
+    rounds, its exception returned."""
     rng = random.Random(a.seed)
     rounds: dict[str, list[float]] = {name: [] for name in runs}
     failed: dict[str, Exception] = {}
-    for _ in range(max(1, a.graph_rounds)):
+    for _ in range(max(1, n_rounds)):
         order = [name for name in runs if name not in failed]
         rng.shuffle(order)
         for name in order:
@@ -207,7 +212,7 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
         traceback.print_exc()
         row["error"] = f"inputs: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return row
-    outputs, graphed = {}, {}
+    outputs, timed = {}, {}
     for name, impl in impls.items():
         entry = row["impls"].setdefault(name, {})
         try:
@@ -219,8 +224,8 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
             entry["nonfinite"] = nonfinite(outputs[name])
             if name.startswith("twin"):                  # an oracle: its outputs are the yardstick, not timed
                 continue
-            if case.timing == "graph" and on_gpu:
-                graphed[name] = run                  # timed below, in rounds with the others
+            if on_gpu:
+                timed[name] = run                    # timed below, in rounds with the others
             else:
                 set_time(entry, case, time_call(run, case.timing, a, on_gpu))
         except Exception as e:
@@ -228,16 +233,20 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if on_gpu:
             torch.cuda.synchronize()
-    if graphed:
-        rounds, failed = time_in_rounds(graphed, a)
+    if timed:
+        graph = case.timing == "graph"
+        rounds, failed = time_in_rounds(timed, a, time_graph if graph else bench_once,
+                                        a.graph_rounds if graph else a.bench_rounds)
         for name, times in rounds.items():
             set_time(row["impls"][name], case, statistics.median(times))
             row["impls"][name]["ms_rounds"] = times
-        for name, e in failed.items():                   # e.g. a call that cannot be captured: time it uncaptured
+        for name, e in failed.items():
             entry = row["impls"][name]
             try:
-                entry["timing"] = f"do_bench (CUDA graph failed: {type(e).__name__})"
-                set_time(entry, case, time_call(graphed[name], "bench", a, on_gpu))
+                if not graph:
+                    raise e
+                entry["timing"] = f"do_bench (CUDA graph failed: {type(e).__name__})"   # time it uncaptured
+                set_time(entry, case, bench_once(timed[name], a))
             except Exception as e2:
                 traceback.print_exc()
                 entry["error"] = f"{type(e2).__name__}: {str(e2).splitlines()[0][:200] if str(e2) else ''}"

@@ -134,7 +134,7 @@ def test_a_peer_that_fails_to_load_is_named_in_the_table(tmp_path, monkeypatch):
     assert "fla FAILED TO LOAD (NotImplementedError: planted: no fla)" in first and "vllm FAILED TO LOAD" in first
 
 
-def test_graph_rounds_time_every_implementation_once_a_round_in_shuffled_orders():
+def test_rounds_time_every_implementation_once_a_round_in_shuffled_orders():
     from argparse import Namespace
 
     from bench.kernels import time_in_rounds
@@ -148,7 +148,7 @@ def test_graph_rounds_time_every_implementation_once_a_round_in_shuffled_orders(
         return {"ours": 1.0, "vllm": 2.0, "mamba_ssm": 3.0}[run] + len(calls) * 1e-6
 
     runs = {name: name for name in ("ours", "vllm", "mamba_ssm", "uncapturable")}
-    rounds, failed = time_in_rounds(runs, Namespace(graph_rounds=6, seed=0), measure)
+    rounds, failed = time_in_rounds(runs, Namespace(seed=0), measure, 6)
     assert {name: len(times) for name, times in rounds.items()} == {"ours": 6, "vllm": 6, "mamba_ssm": 6}
     assert list(failed) == ["uncapturable"] and calls.count("uncapturable") == 1, "a failed run stays in the rounds"
     timed = [c for c in calls if c != "uncapturable"]
