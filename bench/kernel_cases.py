@@ -281,7 +281,6 @@ def ssu_case(setup: Setup, peers: dict, batch: int, state_dtype: torch.dtype) ->
 
         def fresh():
             states.copy_(pool)
-            return states
 
         def ours():
             # y in x's dtype through `out`, as the engine calls it and as the peers write theirs (returned, y would

@@ -19,8 +19,9 @@ its compile and autotune, excluded); decode calls with a CUDA graph of --graph-c
 alike). Both in rounds (--bench-rounds, --graph-rounds) that time every implementation once each, in a new shuffled
 order every round: a decode call lasts microseconds and a 2K prefill follows the host's launch, and clock, cache or
 host drift over one implementation's timing would otherwise favour whichever ran at the better moment. An
-implementation's time is the median over rounds; the notes give the range of the per-round ratio. Cases run most important first and stop starting new ones after --budget seconds; a failing call is
-reported in its row and the run goes on. After every case the JSON and the markdown table in --out are rewritten.
+implementation's time is the median over rounds; the notes give the range of the per-round ratio. Cases run most
+important first and stop starting new ones after --budget seconds; a failing call is reported in its row and the
+run goes on. After every case the JSON and the markdown table in --out are rewritten.
 
 Columns: ms; TB/s and TFLOP/s from the bytes a call must move and the FLOPs it must do (counted in
 bench/kernel_cases.py, identical for all implementations); ratio = the faster peer's ms / ours (> 1: ours is faster);
@@ -230,7 +231,7 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
                 set_time(entry, case, time_call(run, case.timing, a, on_gpu))
         except Exception as e:
             traceback.print_exc()
-            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            entry["error"] = error_text(e)
         if on_gpu:
             torch.cuda.synchronize()
     if timed:
@@ -242,14 +243,15 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
             row["impls"][name]["ms_rounds"] = times
         for name, e in failed.items():
             entry = row["impls"][name]
+            if not graph:
+                entry["error"] = error_text(e)
+                continue
+            entry["timing"] = f"do_bench (CUDA graph failed: {type(e).__name__})"   # e.g. not capturable: uncaptured
             try:
-                if not graph:
-                    raise e
-                entry["timing"] = f"do_bench (CUDA graph failed: {type(e).__name__})"   # time it uncaptured
                 set_time(entry, case, bench_once(timed[name], a))
             except Exception as e2:
                 traceback.print_exc()
-                entry["error"] = f"{type(e2).__name__}: {str(e2).splitlines()[0][:200] if str(e2) else ''}"
+                entry["error"] = error_text(e2)
     # ours: the op's default; ours_<mode>: another mode of it (the scan's products="rounded"), a row of its own
     for ours in [name for name in outputs if name.startswith("ours")]:
         suffix = ours.removeprefix("ours")
@@ -276,6 +278,10 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
             per_round = [min(p[i] for p in peer_rounds) / t for i, t in enumerate(own_rounds)]
             row["ratio_rounds" + ours.removeprefix("ours")] = [min(per_round), max(per_round)]
     return row
+
+
+def error_text(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def set_time(entry: dict, case: Case, ms: float) -> None:
