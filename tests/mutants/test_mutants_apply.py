@@ -40,6 +40,27 @@ def test_mutant_applies_to_the_current_tree(mutant):
         assert function in _test_functions(ROOT / path), f"{mutant.name}: selection {node}: no test {function}"
 
 
+def test_every_selection_collects_tests_where_its_mutant_runs():
+    """Each selection node names tests pytest collects, with the marker filter the runner uses for its mutant (CPU
+    mutants run with -m "not gpu"): a parametrized id that changed (a new parameter renames every id) leaves a node
+    that matches nothing, and the whole run's baseline stops with "no tests ran". One collection for all."""
+    import subprocess
+    import sys
+
+    for gpu in (False, True):
+        nodes = list(dict.fromkeys(n for m in MUTANTS if m.gpu == gpu for n in m.selection))
+        if not nodes:
+            continue
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+               *([] if gpu else ["-m", "not gpu"]), *nodes]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("ERROR")]
+        assert proc.returncode == 0, f"collecting the {'GPU' if gpu else 'CPU'} mutants' selections: {errors}"
+        collected = [line.strip() for line in proc.stdout.splitlines() if "::" in line and " " not in line.strip()]
+        empty = [n for n in nodes if not any(c == n or c.startswith((n + "[", n + "::")) for c in collected)]
+        assert not empty, f"{'GPU' if gpu else 'CPU'} mutants' selections that collect nothing: {empty}"
+
+
 def test_the_suite_is_large_enough_and_has_a_fast_subset():
     cpu = [m for m in MUTANTS if not m.gpu]
     assert len(cpu) >= 24, f"{len(cpu)} CPU mutants, the issue asks for at least 24"
