@@ -9,7 +9,9 @@ vendored/ops/selective_state_update.py); here that function is replaced by one r
 bench/kernel_cases.py's: rms_norm_gated at 2048 and 32768 tokens (do_bench, median, L2 flushed), and
 selective_state_update at batch 1, 8, 64, 256 with an fp32 and a bf16 state pool (CUDA-graph replay, as
 bench/kernels.py times it). Stage 1 times every candidate shape; stage 2 times each case's two fastest again with
-the eviction policy "evict_first" on the state (ssu) or on x and the gate (norm). Within a stage all candidates
+the eviction policy "evict_first" on the state (ssu) or on x and the gate (norm), and (ssu's tile kernel) with its
+program order (rows inside heads or heads inside rows) and its store order (y or the state first) flipped, alone
+and together. Within a stage all candidates
 (and the peers, given --peers) are timed once per round, in a new shuffled order each round, and each gets the
 median over rounds, so drift of clocks or of the L2 does not favour whoever runs first.
 
@@ -89,12 +91,23 @@ def with_eviction(launch):
     return launch._replace(**{"eviction" if isinstance(launch, NormLaunch) else "state_eviction": EVICT})
 
 
+def with_orders(launch) -> list:
+    """The tile kernel's launch with its program order and its store order each flipped, and both (none for the
+    norm or for the batched kernel)."""
+    if isinstance(launch, NormLaunch) or launch.block_b != 1 or launch.block_h != 1:
+        return []
+    flip_rows = launch._replace(rows_inner=not launch.rows_inner)
+    return [flip_rows, launch._replace(y_first=not launch.y_first), flip_rows._replace(y_first=not launch.y_first)]
+
+
 def describe(launch) -> str:
     if isinstance(launch, NormLaunch):
         text = f"rows={launch.block_rows} block_d={launch.block_d} warps={launch.num_warps}"
         return text + (f" {launch.eviction}" if launch.eviction else "")
     text = f"heads={launch.block_h} block_p={launch.block_p} warps={launch.num_warps}"
-    return text + (f" {launch.state_eviction}" if launch.state_eviction else "")
+    for flag, on in (("rows-inner", launch.rows_inner), ("y-first", launch.y_first), (launch.state_eviction, True)):
+        text += f" {flag}" if flag and on else ""
+    return text
 
 
 @contextlib.contextmanager
@@ -114,7 +127,7 @@ def default_launch(case: Case, s, device: torch.device):
     if case.op == "rms_norm_gated":
         return norm_module._block_sizes(case.params["group_size"], device)
     state_dtype = getattr(torch, case.params["state_dtype"])
-    return ssu_module._block_sizes(s.H, s.P, s.N, state_dtype, device)
+    return ssu_module._block_sizes(case.params["batch"], s.H, s.P, s.N, state_dtype, device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,7 +229,8 @@ def run_case(case: Case, a, on_gpu: bool, deadline: float, log) -> dict:
     first = sweep_stage(case, impls, stage1, reference, a, on_gpu, deadline, with_peers=False)
     ranked = sorted((e for e in first.values() if e["status"] != "WRONG"), key=lambda e: statistics.median(e["times"]))
     finalists = [e["launch"] for e in ranked[:2]]
-    stage2 = list(dict.fromkeys([*finalists, *[with_eviction(f) for f in finalists], default]))
+    stage2 = list(dict.fromkeys([*finalists, *[with_eviction(f) for f in finalists],
+                                 *[o for f in finalists for o in with_orders(f)], default]))
     precompile(case.op, impls, stage2, on_gpu, a.workers)
     second = sweep_stage(case, impls, stage2, reference, a, on_gpu, deadline, with_peers=True)
     candidates = []
@@ -285,7 +299,8 @@ def compile_only(workers: int) -> int:
     plan = [("rms_norm_gated", launch, call_norm) for launch in norm_candidates(s.H * s.P)]
     plan += [("selective_state_update", launch, lambda dt=dt: call_ssu(dt)) for launch in ssu_candidates(s.P, s.N)
              for dt in (torch.float32, torch.bfloat16)]
-    plan += [(op, with_eviction(launch), call) for op, launch, call in plan]
+    plan += [(op, variant, call) for op, launch, call in plan for variant in (with_eviction(launch),
+                                                                             *with_orders(launch))]
     for op, launch, call in plan:
         for kernel in OPS[op][1]:
             kernel.run = lambda *args, grid, warmup, _k=kernel, _d=describe(launch), **kw: caught.append(

@@ -1,9 +1,9 @@
 """selective_state_update (one decode step of the SSM recurrence) against its twin selective_state_update_ref: every
 output element, every live row's state, padding rows that read and write nothing, untouched slots bit-identical.
 
-Every test runs each launch form the op has: on the CPU the interpreter's own (a batch of rows × heads a program)
-and the GPU's (the 2-D tile kernel, one row and one head a program, here with channel tiles of 8 so that P = 16
-spans two and odd P leaves a tail); on a GPU its own choice."""
+Every test runs each launch form the op has: the device's own choice (on the CPU the interpreter's batch of rows ×
+heads a program), and the 2-D tile kernel (one row and one head a program, here with channel tiles of 8 so that
+P = 16 spans two and odd P leaves a tail) in both program orders and both store orders the GPU's choices use."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from tests.kernels.test_causal_conv1d import assert_rejected
 from vendored.ops.selective_state_update import SsuLaunch, selective_state_update
 
 ssu_module = importlib.import_module("vendored.ops.selective_state_update")
-LAUNCHES = {"own-launch": None} | ({} if DEVICE == "cuda" else {"gpu-tile-kernel": SsuLaunch(1, 1, 8, 1)})
+LAUNCHES = {"own-launch": None, "tile-kernel": SsuLaunch(1, 1, 8, 1),
+            "tile-kernel-rows-inner-y-first": SsuLaunch(1, 1, 8, 1, rows_inner=True, y_first=True)}
 
 
 @pytest.fixture(autouse=True, params=list(LAUNCHES))
@@ -258,6 +259,39 @@ def test_bamba_shapes(dtype, state_dtype, batch):
     run_and_check(slots, inputs, dtype=dtype, state_dtype=state_dtype, dt_limit=(0.0, 10.0))
 
 
+@gpu
+@needs_gpu
+@pytest.mark.xdist_group("large-gpu-memory")                           # 6.4 + 12.9 GB of buffers
+def test_row_offsets_past_int32():
+    """3 rows of x (bf16) and of y (fp32, through `out`) as views of buffers whose rows are 2^30 + 64 wide: row 2
+    starts past 2^31, so a row offset computed in int32 (the row index is 32-bit when rows run inside heads) lands
+    elsewhere. Against the twins on the same values, contiguous."""
+    n_rows, row = 3, 2**30 + 64
+    inputs = make_inputs(n_rows, seed=11)
+    slots = [4, PAD, 2]
+    live = [s for s in slots if s != PAD]
+    low = {name: t.to(device=DEVICE, dtype=torch.bfloat16) for name, t in inputs.items() if name != "pool"}
+    x_wide = torch.zeros(n_rows, row, dtype=torch.bfloat16, device=DEVICE)
+    y_wide = torch.zeros(n_rows, row, dtype=torch.float32, device=DEVICE)
+    x_view, y_view = (t[:, :H * P].unflatten(1, (H, P)) for t in (x_wide, y_wide))
+    x_view.copy_(low["x"])
+    assert max(2 * t.stride(0) for t in (x_view, y_view)) >= 2**31
+    pool_before = poison_slots(inputs["pool"], keep=live).to(DEVICE)
+    pool_kernel, pool_low, pool64 = pool_before.clone(), pool_before.clone(), pool_before.double()
+    common = dict(state_indices=torch.tensor(slots, dtype=torch.int32, device=DEVICE), pad_slot_id=PAD)
+    selective_state_update(pool_kernel, x_view, low["dt"], low["A"], low["B"], low["C"], D=low["D"],
+                           dt_bias=low["dt_bias"], z=low["z"], out=y_view, **common)
+    y_low = selective_state_update_ref(pool_low, low["x"], low["dt"], low["A"], low["B"], low["C"], D=low["D"],
+                                       dt_bias=low["dt_bias"], z=low["z"], **common)
+    wide = {name: t.double() for name, t in low.items()}
+    y64 = selective_state_update_ref(pool64, wide["x"], wide["dt"], wide["A"], wide["B"], wide["C"], D=wide["D"],
+                                     dt_bias=wide["dt_bias"], z=wide["z"], **common)
+    assert_three_way("y", y_view, y64, y_low, k=K, atol=ATOL[torch.float32])
+    assert_three_way("ssm_states", pool_kernel[live], pool64[live], pool_low[live], k=K, atol=ATOL[torch.float32])
+    assert_slots_untouched("ssm_states", pool_before, pool_kernel, touched=live)
+    assert not y_wide[:, H * P:].any(), "y: written outside its rows' first H·P columns"
+
+
 @pytest.mark.parametrize("bad_slot", [N_SLOTS, -2], ids=["past_the_pool", "negative"])
 def test_slot_outside_the_pool_touches_nothing_and_outputs_nan(bad_slot):
     # No host check in a captured decode step: the kernel itself keeps a bad slot from memory (here the row just past
@@ -273,3 +307,61 @@ def test_slot_outside_the_pool_touches_nothing_and_outputs_nan(bad_slot):
     assert not torch.isnan(y[0]).any() and bool((y[2] == 0).all()), "y: the live and padding rows changed"
     assert torch.equal(backing[N_SLOTS], before[N_SLOTS]), "ssm_states: the row past the pool was read into or written"
     assert_slots_untouched("ssm_states", before, backing, touched=[2])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tile kernel's launch: its grid and its row-index width (meta tensors: any shape and strides, no memory)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _RecordedLaunch:
+    """Stands in for the tile kernel: `kernel[grid](*args, **constexprs)` records the grid and the constexprs."""
+
+    def __init__(self):
+        self.grid, self.constexprs = None, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.grid, self.constexprs = grid, constexprs
+        return launch
+
+
+def _launch_on_meta(monkeypatch, launch: SsuLaunch, n_rows: int, n_heads: int, x_row_stride: int | None = None):
+    """(grid, constexprs) of the tile kernel's launch for n_rows × n_heads (P = 64, N = 128, fp32 pool); x with the
+    given row stride (default: contiguous)."""
+    recorded = _RecordedLaunch()
+    monkeypatch.setattr(ssu_module, "_selective_state_update_tile_kernel", recorded)
+    monkeypatch.setattr(ssu_module, "_block_sizes", lambda *args: launch)
+    p, n, meta = 64, 128, dict(device="meta")
+    x = torch.empty_strided((n_rows, n_heads, p), (x_row_stride or n_heads * p, p, 1), **meta)
+    bc = torch.empty(n_rows, 1, n, **meta)
+    selective_state_update(torch.empty(n_rows, n_heads, p, n, **meta), x, torch.empty(n_rows, n_heads, **meta),
+                           torch.empty(n_heads, **meta), bc, bc, D=None, dt_bias=None, z=None,
+                           state_indices=torch.empty(n_rows, dtype=torch.int32, **meta))
+    return recorded.grid, recorded.constexprs
+
+
+def test_tile_grid_orders_rows_inside_heads_on_request(monkeypatch):
+    grid, constexprs = _launch_on_meta(monkeypatch, SsuLaunch(1, 1, 4, 1, rows_inner=True, y_first=True), 8, 128)
+    assert grid == (16, 8, 128) and constexprs["ROWS_INNER"] and constexprs["Y_FIRST"]
+    grid, constexprs = _launch_on_meta(monkeypatch, SsuLaunch(1, 1, 4, 1), 8, 128)
+    assert grid == (16 * 128 * 8,) and not constexprs["ROWS_INNER"] and not constexprs["Y_FIRST"]
+
+
+def test_tile_row_index_widens_when_a_row_offset_reaches_2_31(monkeypatch):
+    # rows inside heads keeps the row index 32-bit; an offset of 2^31 or more must make it 64-bit, or it wraps
+    launch = SsuLaunch(1, 1, 4, 1, rows_inner=True)
+    assert not _launch_on_meta(monkeypatch, launch, 3, 2)[1]["WIDE_ROWS"]
+    # x (3, 2, 64) with row stride s: its last element at 2·s + 64 + 63
+    assert not _launch_on_meta(monkeypatch, launch, 3, 2, x_row_stride=2**30 - 64)[1]["WIDE_ROWS"]    # 2^31 - 1
+    assert _launch_on_meta(monkeypatch, launch, 3, 2, x_row_stride=2**30 - 63)[1]["WIDE_ROWS"]        # 2^31 + 1
+
+
+def test_tile_rows_inside_heads_refuses_a_grid_past_cuda_limits(monkeypatch):
+    with pytest.raises(ValueError, match="rows_inner: a grid of 65536 rows × 1 heads exceeds the 65535"):
+        _launch_on_meta(monkeypatch, SsuLaunch(1, 1, 4, 1, rows_inner=True), 65536, 1)
+
+
+def test_batched_kernel_refuses_the_tile_kernels_choices(monkeypatch):
+    with pytest.raises(ValueError, match="rows_inner and y_first are the tile kernel's"):
+        _launch_on_meta(monkeypatch, SsuLaunch(2, 1, 4, 1, y_first=True), 3, 2)

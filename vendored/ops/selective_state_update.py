@@ -140,7 +140,8 @@ def _selective_state_update_tile_kernel(
     stride_y_b, stride_y_h, stride_y_p,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_DT_LIMIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_PN: tl.constexpr,
-    STATE_EVICTION: tl.constexpr, ROUND_BY_BITS: tl.constexpr,
+    STATE_EVICTION: tl.constexpr, ROUND_BY_BITS: tl.constexpr, ROWS_INNER: tl.constexpr, Y_FIRST: tl.constexpr,
+    WIDE_ROWS: tl.constexpr,
 ):
     """The GPU's form of the kernel above: one row and one head a program, BLOCK_P of its channels × all N, so that
     the row, head, slot and Δ are scalars and the tiles 2-D. Same equations and the same fp32 operations in the same
@@ -149,13 +150,25 @@ def _selective_state_update_tile_kernel(
     What a decode step waits for is a chain of dependent loads. The slot is loaded first and the state right after
     it; the row's own inputs (x, dt, B, C, z: in bounds whatever the slot) are loaded without waiting for the slot,
     so that Δ and its exponential are computed while the state is in flight. A padding row or one whose slot lies
-    outside the pool still reads and writes no slot."""
-    pid = tl.program_id(0)
-    n_tiles_p = tl.cdiv(head_dim, BLOCK_P)
-    pid_p = pid % n_tiles_p
-    pid_bh = pid // n_tiles_p
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = pid_bh % n_heads
+    outside the pool still reads and writes no slot.
+
+    Two choices of SsuLaunch change only the order of work, never a value: ROWS_INNER takes a 3-D grid (channel
+    tiles, rows, heads), so that programs launched together hold one head of many rows instead of many heads of one
+    row, and the row index stays 32-bit unless WIDE_ROWS (some row offset of x, dt, B, C, z or y reaches 2^31);
+    Y_FIRST stores y before the state, so that the state's store is the program's last instruction."""
+    if ROWS_INNER:
+        pid_p = tl.program_id(0)
+        b = tl.program_id(1)
+        if WIDE_ROWS:
+            b = b.to(tl.int64)
+        h = tl.program_id(2)
+    else:
+        pid = tl.program_id(0)
+        n_tiles_p = tl.cdiv(head_dim, BLOCK_P)
+        pid_p = pid % n_tiles_p
+        pid_bh = pid // n_tiles_p
+        b = (pid_bh // n_heads).to(tl.int64)
+        h = pid_bh % n_heads
     g = h // heads_per_group
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)                   # (BLOCK_P,)
     offs_n = tl.arange(0, BLOCK_N)                                     # (BLOCK_N,)
@@ -193,8 +206,9 @@ def _selective_state_update_tile_kernel(
                 other=fill).to(tl.float32)
 
     state = decay * state + (dt * x)[:, None] * B[None, :]
-    tl.store(state_ptrs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=live_pn,
-             eviction_policy=STATE_EVICTION)
+    if not Y_FIRST:
+        tl.store(state_ptrs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=live_pn,
+                 eviction_policy=STATE_EVICTION)
 
     y = tl.sum(state * C[None, :], axis=1)                             # (BLOCK_P,)
     if HAS_D:
@@ -207,6 +221,9 @@ def _selective_state_update_tile_kernel(
     y = tl.where(live, y, tl.where(real, float("nan"), 0.0))
     tl.store(y_ptr + b * stride_y_b + h * stride_y_h + offs_p * stride_y_p,
              round_to(y, y_ptr.dtype.element_ty, ROUND_BY_BITS), mask=mask_p)
+    if Y_FIRST:
+        tl.store(state_ptrs, round_to(state, ssm_states_ptr.dtype.element_ty, ROUND_BY_BITS), mask=live_pn,
+                 eviction_policy=STATE_EVICTION)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,30 +241,45 @@ def _expect_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name}: expected dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
 
 
+_GRID_YZ_MAX = 65535                                                   # CUDA's limit on a grid's y and z
+
+
+def _last_offset(t: torch.Tensor) -> int:
+    """The largest element offset a kernel computes into t: sum over dims of (size - 1)·|stride| (0 when empty)."""
+    return 0 if t.numel() == 0 else sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+
+
 class SsuLaunch(NamedTuple):
     """How the op is launched: each program takes block_b rows × block_h heads × block_p channels × all N; one row
-    and one head (the GPU's choice) runs the 2-D tile kernel, anything else the batched one."""
+    and one head (the GPU's choice) runs the 2-D tile kernel, anything else the batched one. The last two fields are
+    the tile kernel's (the batched kernel refuses them): rows_inner orders its programs channel tiles, rows, heads
+    (a 3-D grid) instead of channel tiles, heads, rows; y_first stores y before the state."""
     block_b: int
     block_h: int
     block_p: int
     num_warps: int
     state_eviction: str = ""                                           # "" or "evict_first"
+    rows_inner: bool = False
+    y_first: bool = False
 
 
-def _block_sizes(n_heads: int, head_dim: int, d_state: int, state_dtype: torch.dtype,
+def _block_sizes(n_rows: int, n_heads: int, head_dim: int, d_state: int, state_dtype: torch.dtype,
                  device: torch.device) -> SsuLaunch:
     """GPU: one row and one head per program (the 2-D tile kernel), and a tile of the head's (P, N) state of 512
     elements (fp32 pool) or 2048 (16-bit pool), one warp: many small programs keep enough loads in flight on every SM
     at batch 1 and at batch 256 alike; bench/sweep_norm_ssu.py times the alternatives (on the tile kernel,
     2026-12-04, fp32 pool: 8 channels a program about 2% faster at batch 64 and 256, nothing faster at batch 1 and 8
-    in two runs). Interpreter, where every program costs the same
-    fixed time: up to 4 rows, 4 heads and 16 channels per program, so that tests with more rows, heads or channels
-    than that still cross tile edges."""
+    in two runs). With an fp32 pool, y is stored before the state, and up to 8 rows the programs run rows inside
+    heads (measured on an H200 beside vLLM, docs/kernels.md: together 8% faster at batch 1, 1% at batch 8; rows
+    inside heads is 5% slower at batch 64 and 256, storing y first 2-9% slower with a bf16 pool).
+    Interpreter, where every program costs the same fixed time: up to 4 rows, 4 heads and 16 channels per program,
+    so that tests with more rows, heads or channels than that still cross tile edges."""
     if device.type == "cuda":
-        # bench/sweep_norm_ssu.py on an H200 (2026-11-30): fastest exact launch at batch 1, 8, 64 and 256 alike
         elements, warps = (512, 1) if state_dtype.itemsize >= 4 else (2048, 1)
         block_p = max(1, min(elements // next_power_of_2(d_state), next_power_of_2(head_dim)))
-        return SsuLaunch(1, 1, block_p, warps)
+        if state_dtype.itemsize < 4:
+            return SsuLaunch(1, 1, block_p, warps)
+        return SsuLaunch(1, 1, block_p, warps, rows_inner=n_rows <= 8, y_first=True)
     return SsuLaunch(4, min(next_power_of_2(n_heads), 4), min(next_power_of_2(head_dim), 16), 4)
 
 
@@ -320,7 +352,7 @@ def selective_state_update(
         y = out
     if n_rows == 0:
         return y
-    launch = _block_sizes(n_heads, head_dim, d_state, ssm_states.dtype, x.device)
+    launch = _block_sizes(n_rows, n_heads, head_dim, d_state, ssm_states.dtype, x.device)
     block_n = next_power_of_2(d_state)
     stand_in = A                                                       # never read when its flag is False
     D_arg, dt_bias_arg = (D if D is not None else stand_in), (dt_bias if dt_bias is not None else stand_in)
@@ -328,8 +360,20 @@ def selective_state_update(
     tile = launch.block_b == launch.block_h == 1                      # the GPU's launch (see _block_sizes)
     kernel = _selective_state_update_tile_kernel if tile else _selective_state_update_fwd_kernel
     grid = (cdiv(n_rows, launch.block_b) * cdiv(n_heads, launch.block_h) * cdiv(head_dim, launch.block_p),)
-    blocks = dict(BLOCK_P=launch.block_p) if tile else dict(BLOCK_B=launch.block_b, BLOCK_H=launch.block_h,
-                                                             BLOCK_P=launch.block_p)
+    if tile:
+        if launch.rows_inner:
+            if max(n_rows, n_heads) > _GRID_YZ_MAX:
+                raise ValueError(f"SsuLaunch.rows_inner: a grid of {n_rows} rows × {n_heads} heads exceeds the "
+                                 f"{_GRID_YZ_MAX} programs a grid's 2nd and 3rd axes hold")
+            grid = (cdiv(head_dim, launch.block_p), n_rows, n_heads)
+        row_tensors = (x, dt, B, C, z_arg, y)
+        blocks = dict(BLOCK_P=launch.block_p, ROWS_INNER=launch.rows_inner, Y_FIRST=launch.y_first,
+                      WIDE_ROWS=max(_last_offset(t) for t in row_tensors) >= 2**31)
+    else:
+        if launch.rows_inner or launch.y_first:
+            raise ValueError(f"SsuLaunch: rows_inner and y_first are the tile kernel's (block_b = block_h = 1), "
+                             f"got {launch}")
+        blocks = dict(BLOCK_B=launch.block_b, BLOCK_H=launch.block_h, BLOCK_P=launch.block_p)
     kernel[grid](
         ssm_states, x, dt, A, B, C, D_arg, dt_bias_arg, z_arg, state_indices, y,
         n_rows, n_heads, head_dim, d_state, n_heads // n_groups, pad_slot_id, ssm_states.shape[0], float(dt_min),
