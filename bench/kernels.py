@@ -25,12 +25,16 @@ run goes on. After every case the JSON and the markdown table in --out are rewri
 
 Columns: ms; TB/s and TFLOP/s from the bytes a call must move and the FLOPs it must do (counted in
 bench/kernel_cases.py, identical for all implementations); ratio = the faster peer's ms / ours (> 1: ours is faster);
-max |Δ| of y and of the written states between ours and each peer after one call from the same state.
+max |Δ| of y and of the written states between ours and each peer after one call from the same state. The notes of a
+do_bench case also give each implementation's device time (CUDA profiler, 10 back-to-back calls, no flush) and its
+ratio: a call of tens of microseconds (2K tokens) can be bound by the host's time to issue it, which do_bench then
+times with its jitter, while the device time is what the kernels cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -193,6 +197,19 @@ def time_in_rounds(runs: dict, a: argparse.Namespace, measure, n_rounds: int) ->
     return {name: times for name, times in rounds.items() if name not in failed}, failed
 
 
+def device_ms(run, calls: int = 10) -> tuple[float, float]:
+    """(device ms per call, device events per call): the summed time of the kernels and copies `calls` back-to-back
+    calls run, from the CUDA profiler; what a call costs the GPU, whatever the host's time to issue it."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in events) / calls / 1e3, len(events) / calls
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
@@ -241,6 +258,12 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
         for name, times in rounds.items():
             set_time(row["impls"][name], case, statistics.median(times))
             row["impls"][name]["ms_rounds"] = times
+            if not graph:                            # do_bench of a short call can time the host: the GPU's share
+                try:
+                    row["impls"][name]["device_ms"], row["impls"][name]["device_events"] = device_ms(timed[name])
+                except Exception as e:
+                    traceback.print_exc()
+                    row["impls"][name]["device_error"] = error_text(e)
         for name, e in failed.items():
             entry = row["impls"][name]
             if not graph:
@@ -268,16 +291,25 @@ def run_case(case: Case, a: argparse.Namespace, on_gpu: bool, log) -> dict:
         for name, out in outputs.items():
             if name != twin:
                 row["impls"][name]["error_vs_fp64"] = [max_abs_diff(o, t) for o, t in zip(out, outputs[twin])]
+    add_ratios(row)
+    return row
+
+
+def add_ratios(row: dict) -> None:
+    """ratio[_<mode>] = the faster peer's ms / ours; ratio_rounds: the range of that ratio over the rounds (the faster
+    peer of each round / ours that round); device_ratio: the same of the device times, where measured."""
     peer_ms = [row["impls"][p]["ms"] for p in PEER_NAMES if "ms" in row["impls"].get(p, {})]
     peer_rounds = [row["impls"][p]["ms_rounds"] for p in PEER_NAMES if "ms_rounds" in row["impls"].get(p, {})]
+    peer_device = [row["impls"][p]["device_ms"] for p in PEER_NAMES if "device_ms" in row["impls"].get(p, {})]
     for ours in [name for name in row["impls"] if name.startswith("ours")]:
         if peer_ms and "ms" in row["impls"][ours]:
             row["ratio" + ours.removeprefix("ours")] = min(peer_ms) / row["impls"][ours]["ms"]
+        if peer_device and "device_ms" in row["impls"][ours]:
+            row["device_ratio" + ours.removeprefix("ours")] = min(peer_device) / row["impls"][ours]["device_ms"]
         own_rounds = row["impls"][ours].get("ms_rounds")
         if peer_rounds and own_rounds and len(own_rounds) > 1:   # the faster peer of each round / ours that round
             per_round = [min(p[i] for p in peer_rounds) / t for i, t in enumerate(own_rounds)]
             row["ratio_rounds" + ours.removeprefix("ours")] = [min(per_round), max(per_round)]
-    return row
 
 
 def error_text(e: Exception) -> str:
@@ -340,6 +372,12 @@ def table_line(r: dict, suffix: str, peers: list[str]) -> str:
     if "ratio_rounds" + suffix in r:
         low, high = r["ratio_rounds" + suffix]
         notes.append(f"peer/ours per round {low:.2f}-{high:.2f} ({len(main['ms_rounds'])} rounds)")
+    timed_device = {("ours" if n.startswith("ours") else n): e["device_ms"] for n, e in own.items()
+                    if "device_ms" in e}
+    if timed_device:
+        ratio = r.get("device_ratio" + suffix)
+        notes.append("device µs " + ", ".join(f"{label} {ms * 1e3:.1f}" for label, ms in timed_device.items())
+                     + (f" (peer/ours {ratio:.2f})" if ratio else ""))
     if "of_copy" in main:
         notes.append(f"{main['of_copy']:.0%} of copy bandwidth")
     if "max_abs" in main:
@@ -405,6 +443,10 @@ def main(argv=None) -> int:
         sys.exit("bench.kernels: no CUDA device; on a CPU run `TRITON_INTERPRET=1 python -m bench.kernels --smoke`")
     log = lambda line: print(line, flush=True)  # noqa: E731
     peers_failed: dict[str, str] = {}
+    if on_gpu:
+        # the profiler (device_ms) imports torch._inductor on first use, which walks sys.modules and trips over the
+        # peers' stub modules: import it before the peers load
+        importlib.import_module("torch._inductor")
     peers = load_peers(a.peers, log, peers_failed)
     device = torch.device("cuda" if on_gpu else "cpu")
     setup = Setup(SMOKE if a.smoke else BAMBA_9B, device, torch.float32 if a.smoke else torch.bfloat16, a.seed)

@@ -28,7 +28,7 @@ import triton
 import triton.testing
 
 from bench.kernel_cases import BAMBA_9B, Setup, conv_case, conv_update_case, rms_case, scan_case, ssu_case
-from bench.kernels import load_peers
+from bench.kernels import device_ms, load_peers
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,15 +55,8 @@ def host_us(run, calls: int) -> float:
 
 def gpu_us(run, calls: int = 20) -> tuple[float, float]:
     """(device µs per call, device events per call) from the CUDA profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.device_time for e in events)
-    return total / calls, len(events) / calls
+    ms, events = device_ms(run, calls)
+    return ms * 1e3, events
 
 
 def main(argv=None) -> int:

@@ -166,3 +166,21 @@ def test_the_table_gives_the_range_of_the_per_round_ratio():
                impls=dict(ours=dict(ms=0.0035, tbps=2.4, tflops=0.0, ms_rounds=[0.0035] * 7),
                           vllm=dict(ms=0.0036, ms_rounds=[0.0036] * 7)))
     assert "peer/ours per round 0.97-1.05 (7 rounds)" in table_line(row, "", ["vllm"])
+
+
+def test_device_times_give_their_own_ratio_against_the_faster_peer_and_show_in_the_notes():
+    from bench.kernels import add_ratios, table_line
+
+    row = dict(op="causal_conv1d", case="T2048-seqs8",
+               impls=dict(ours=dict(ms=0.0615, device_ms=0.0314, ms_rounds=[0.0615] * 3),
+                          ours_rounded=dict(ms=0.05, device_ms=0.044),
+                          vllm=dict(ms=0.0579, device_ms=0.0340, ms_rounds=[0.0579] * 3),
+                          mamba_ssm=dict(ms=0.09, device_ms=0.0330)))
+    add_ratios(row)
+    assert abs(row["ratio"] - 0.0579 / 0.0615) < 1e-12                      # do_bench: the faster peer is vllm
+    assert abs(row["device_ratio"] - 0.0330 / 0.0314) < 1e-12               # device: the faster peer is mamba_ssm
+    assert abs(row["device_ratio_rounded"] - 0.0330 / 0.044) < 1e-12
+    notes = table_line(row, "", ["vllm", "mamba_ssm"])
+    assert "device µs ours 31.4, vllm 34.0, mamba_ssm 33.0 (peer/ours 1.05)" in notes
+    assert "device µs ours 44.0, vllm 34.0, mamba_ssm 33.0 (peer/ours 0.75)" in table_line(row, "_rounded",
+                                                                                          ["vllm", "mamba_ssm"])
