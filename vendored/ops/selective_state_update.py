@@ -270,8 +270,9 @@ def _block_sizes(n_rows: int, n_heads: int, head_dim: int, d_state: int, state_d
     at batch 1 and at batch 256 alike; bench/sweep_norm_ssu.py times the alternatives (on the tile kernel,
     2026-12-04, fp32 pool: 8 channels a program about 2% faster at batch 64 and 256, nothing faster at batch 1 and 8
     in two runs). With an fp32 pool, y is stored before the state, and up to 8 rows the programs run rows inside
-    heads (measured on an H200 beside vLLM, docs/kernels.md: together 8% faster at batch 1, 1% at batch 8; rows
-    inside heads is 5% slower at batch 64 and 256, storing y first 2-9% slower with a bf16 pool).
+    heads (measured on an H200, docs/kernels.md: together 1.08x vLLM at batch 1 and at parity at batch 8, where
+    the old order was 0.99x both; rows inside heads is 5% slower at batch 64 and 256, storing y first 2-11% slower
+    with a bf16 pool).
     Interpreter, where every program costs the same fixed time: up to 4 rows, 4 heads and 16 channels per program,
     so that tests with more rows, heads or channels than that still cross tile edges."""
     if device.type == "cuda":
