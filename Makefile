@@ -11,7 +11,7 @@ PYTEST_CPU := $(PY) -m pytest -n $(XDIST) --timeout=900
 GPU_PY ?= python3
 
 .PHONY: help venv test test-all test-slow test-zoo test-gpu test-scale mutants-scale compare lm-eval bench-kernels bench-decode mutants mutants-ci \
-	mutants-gpu vllm-venv test-vllm clean
+	mutants-gpu vllm-venv test-vllm llamacpp-venv test-llamacpp clean
 
 help:
 	@echo "make compare   vendored engine vs the fp64 oracle on each bundled tiny model (table, JSON, PNG in out/compare/<model>)"
@@ -29,6 +29,7 @@ help:
 	@echo "make mutants   plant every CPU mutant (mutants/defs) in a scratch copy; its tests must catch it"
 	@echo "make mutants-gpu  the GPU-only mutants, on a CUDA machine with the python3 that is there"
 	@echo "make test-vllm the real vLLM (own venv .venv-vllm, created on first use) against the oracle on the tiny model"
+	@echo "make test-llamacpp llama.cpp (own venv .venv-llamacpp, built from llama-cpp-python's sdist on first use) against the oracle"
 	@echo "make clean     remove .venv and caches"
 
 $(STAMP): pyproject.toml
@@ -152,6 +153,43 @@ lm-eval: $(STAMP)
 		rc=$$?; if [ $$status -eq 0 ]; then status=$$rc; fi; \
 	done; exit $$status
 
+# llama.cpp through llama-cpp-python, in its own virtualenv: the sdist (sha256-pinned) vendors llama.cpp and its
+# converter (convert_hf_to_gguf.py, gguf-py). The wheel is built once, portable (no -march=native, no multimodal
+# library), and cached in .whl/llamacpp (git-ignored); the sdist is unpacked into the venv (src/) for the converter. About 5
+# minutes on 2 cores the first time. The converter runs in the same venv (torch from disk, transformers).
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+LLAMACPP_CACHE := .whl/llamacpp
+LLAMACPP_SDIST := $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+$(LLAMACPP_SDIST):
+	mkdir -p $(LLAMACPP_CACHE)
+	$(PYTHON_BOOT) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP_CACHE)
+	echo "$(LLAMACPP_SHA256)  $@" | sha256sum -c -
+
+$(LLAMACPP_STAMP): $(LLAMACPP_SDIST)
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	rm -rf $(LLAMACPP_VENV)/src && mkdir -p $(LLAMACPP_VENV)/src && tar xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_VENV)/src
+	ls $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(XDIST) \
+		$(LLAMACPP_VENV)/bin/python -m pip wheel -q --no-deps $(LLAMACPP_SDIST) -w $(LLAMACPP_CACHE)
+	# torch first, pinned to the CPU build on disk (the converter imports it)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LLAMACPP_VENV)/bin/python -m pip install -q torch==2.13.0 'numpy<2.3' sentencepiece 'transformers>=4.56' \
+		safetensors pyyaml tqdm $(LLAMACPP_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl
+	touch $(LLAMACPP_STAMP)
+
+llamacpp-venv: $(LLAMACPP_STAMP)
+
+# Every llama.cpp case on both tiny models and the config-zoo entries its converter takes, against the fp64 oracle,
+# and the pinned findings (tests/llamacpp, docs/llamacpp.md).
+test-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
+	$(PY) -m pytest -n $(XDIST) --timeout=1800 --engine llamacpp tests/llamacpp
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .pytest_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

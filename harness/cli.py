@@ -261,7 +261,7 @@ def _validate(args) -> _Plan:
         raise UsageError(f"--scenarios {args.scenarios!r}: expected comma-separated kinds and/or scenario ids, "
                          "got none")
     try:
-        chosen = select_scenarios(build_scenarios(cfg), args.scenarios)
+        chosen = select_scenarios(build_scenarios(cfg, engine_cls), args.scenarios)
     except ValueError as err:
         raise UsageError(str(err)) from err
     source, note = _prompt_source(args, cfg)
@@ -392,6 +392,13 @@ def _list(args) -> int:
     print(f"\nscenarios for Q = {cfg.mamba_chunk_size}, W = {cfg.mamba_d_conv}, G = {cfg.mamba_n_groups}:")
     for s in build_scenarios(cfg):
         print(f"  {s.id:34s} {'(slow) ' if s.slow else ''}{s.about}")
+    for name, problem in available_engines().items():
+        loaded = _load(name)
+        own = loaded.engine_scenarios(cfg) if not isinstance(loaded, str) else []
+        if own:
+            print(f"\n{name}'s own scenarios (with --engine {name}):")
+            for s in own:
+                print(f"  {s.id:34s} {s.about}")
     return 0
 
 

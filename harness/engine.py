@@ -368,6 +368,12 @@ class Engine(abc.ABC):
         return None
 
     @classmethod
+    def engine_scenarios(cls, cfg: ModelConfig) -> list:
+        """Scenarios of this engine's own knobs (harness.scenarios.Scenario, their options' engine_args set), added
+        to the common matrix for this engine; [] for most."""
+        return []
+
+    @classmethod
     def unsupported(cls, options: EngineOptions, *, dtype: torch.dtype, device: str | torch.device,
                     requests: Iterable[Request] = ()) -> list[str]:
         """Why this engine cannot honour `options` (and the requests' arrival steps) on dtype/device; [] if it can."""
@@ -415,6 +421,11 @@ class Engine(abc.ABC):
         """Why this loaded engine cannot run these requests (say, a prompt too long for the memory its algorithm
         needs), beyond the options; [] if it can."""
         return []
+
+    def provenance(self) -> dict:
+        """What a report should record of this engine beyond the harness's own versions (the build and the files it
+        ran, the settings it settled on); {} where there is nothing more."""
+        return {}
 
     def close(self) -> None:
         """Free the model (subclasses drop their references and call super().close())."""

@@ -248,7 +248,8 @@ def _full_distributions(shapes: Sequence[RequestShape], source: PromptSource) ->
 def _prepare(engine: str | type[Engine], scenario: Scenario, *, dtype, device, source: PromptSource,
              engine_args: dict | None, top_k: int) -> tuple[type[Engine], EngineOptions, list[Request]]:
     engine_cls = get_engine(engine) if isinstance(engine, str) else engine
-    options = replace(scenario.options, engine_args=dict(engine_args or {}))
+    # The scenario's own engine_args (an engine's knob it turns) over the caller's: a scenario is what its id says.
+    options = replace(scenario.options, engine_args={**(engine_args or {}), **scenario.options.engine_args})
     requests = scenario.requests(source, top_k=top_k, full_distributions=_full_distributions(scenario.shapes, source))
     reasons = engine_cls.unsupported(options, dtype=dtype, device=device, requests=requests)
     if scenario.needs_cuda and torch.device(device).type != "cuda":
@@ -279,13 +280,17 @@ def _enter(progress: Progress | None, stage: str, engine: Engine | None = None) 
 def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Oracle, source: PromptSource,
                    dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    k: float = DEFAULT_K, atol: float | None = None, engine_args: dict | None = None,
-                   top_k: int = 5, progress: Progress | None = None) -> Report:
+                   top_k: int = 5, progress: Progress | None = None,
+                   candidate_checkpoint: str | Path | None = None) -> Report:
     """Run `scenario` on `engine` and judge it against the fp64 oracle. Raises ScenarioSkipped with the reasons
-    when the engine cannot honour the scenario here."""
+    when the engine cannot honour the scenario here. candidate_checkpoint: what the engine loads, where it is not
+    the oracle's checkpoint: a finding's counterfactual judges an engine against the oracle of the model it is
+    believed to compute (the same weights, a config field changed: harness/variants.py)."""
     dtype = parse_dtype(dtype)
     engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
                                              source=source, engine_args=engine_args, top_k=top_k)
-    with _open(engine_cls, oracle.checkpoint, dtype=dtype, device=device, options=options) as candidate:
+    loaded = Path(candidate_checkpoint) if candidate_checkpoint is not None else oracle.checkpoint
+    with _open(engine_cls, loaded, dtype=dtype, device=device, options=options) as candidate:
         reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
         if reasons:
             raise ScenarioSkipped(reasons)
@@ -299,6 +304,8 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
             report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
                                   candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
                                   rerun=lambda forced: oracle.run_beside(candidate, forced, dtype), noise=noise)
+        if candidate.provenance():
+            report.meta["engine_provenance"] = candidate.provenance()
         hint = getattr(engine_cls, "oracle_hint", None)       # an engine known to compute another model here
         if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
             report.meta["hint"] = text
@@ -432,6 +439,8 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
                               candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
                               rerun=lambda forced: oracle.run_beside(candidate, forced, dtype),
                               baseline_name=baseline_name)
+        if candidate.provenance():
+            report.meta["engine_provenance"] = candidate.provenance()
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device), baseline=baseline_name,
                        options={k_: str(v) for k_, v in options.non_default().items()})
     return report

@@ -206,8 +206,13 @@ def chunked_prefill_budgets(Q: int, W: int) -> list[int]:
 
 # ---- the matrix ------------------------------------------------------------------------------------------------
 
-def build_scenarios(cfg: ModelConfig) -> list[Scenario]:
-    """Every scenario for this model, in KINDS order."""
+def build_scenarios(cfg: ModelConfig, engine=None) -> list[Scenario]:
+    """Every scenario for this model, in KINDS order, then those of `engine` (an Engine class: its own knobs, from
+    its engine_scenarios, e.g. llama.cpp's thread count and flash attention)."""
+    return _common_scenarios(cfg) + (list(engine.engine_scenarios(cfg)) if engine is not None else [])
+
+
+def _common_scenarios(cfg: ModelConfig) -> list[Scenario]:
     Q, W, G = cfg.mamba_chunk_size, cfg.mamba_d_conv, cfg.mamba_n_groups
     batch, chunked, decode = batching_shapes(Q, W), chunked_shapes(Q, W), decode_shapes(Q, W)
     graphs = cudagraph_shapes(Q, W)
@@ -324,6 +329,7 @@ def select_scenarios(scenarios: Sequence[Scenario], spec: str | None) -> list[Sc
     selects its scenarios that are not slow; an id selects that scenario; a name with a leading "-" removes what
     it would select (a spec of removals alone starts from "all"). Unknown names raise ValueError."""
     names = [n.strip() for n in (spec or "all").split(",") if n.strip()]
+    kinds = tuple(dict.fromkeys([*KINDS, *(s.kind for s in scenarios)]))
     if names and all(n.startswith("-") for n in names):
         names.insert(0, "all")
     by_id = {s.id: s for s in scenarios}
@@ -331,11 +337,11 @@ def select_scenarios(scenarios: Sequence[Scenario], spec: str | None) -> list[Sc
     def named(name: str) -> list[Scenario]:
         if name == "all":
             return [s for s in scenarios if not s.slow]
-        if name in KINDS:
+        if name in kinds:
             return [s for s in scenarios if s.kind == name and not s.slow]
         if name in by_id:
             return [by_id[name]]
-        raise ValueError(f"unknown scenario {name!r}: expected 'all', a kind ({', '.join(KINDS)}) or an id "
+        raise ValueError(f"unknown scenario {name!r}: expected 'all', a kind ({', '.join(kinds)}) or an id "
                          f"({', '.join(by_id)}), each optionally with a leading '-' to leave it out")
 
     chosen: dict[str, Scenario] = {}

@@ -223,11 +223,12 @@ def draw_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return dict(iter_weights(cfg, seed))
 
 
-def write_checkpoint(name: str, directory: str | Path, *, seed: int = 0) -> Path:
-    """Write zoo entry `name` to `directory` (created): config.json and model.safetensors. Returns the directory."""
+def write_checkpoint(name: str, directory: str | Path, *, seed: int = 0, **fields) -> Path:
+    """Write zoo entry `name` to `directory` (created): config.json and model.safetensors. `fields` override the
+    entry's config fields (the weights are drawn for the result). Returns the directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    raw = config_dict(name)
+    raw = {**config_dict(name), **fields}
     weights = draw_weights(ModelConfig.from_dict(raw), seed)
     (directory / "config.json").write_text(json.dumps(raw, indent=1))
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})

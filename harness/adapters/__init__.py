@@ -16,6 +16,7 @@ _ADAPTERS: dict[str, tuple[str, str]] = {
     "vendored": ("harness.adapters.vendored", "VendoredEngine"),
     "vllm": ("harness.adapters.vllm", "VllmEngine"),
     "server": ("harness.adapters.server", "ServerEngine"),
+    "llamacpp": ("harness.adapters.llamacpp", "LlamaCppEngine"),
 }
 
 
