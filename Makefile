@@ -185,10 +185,12 @@ $(LLAMACPP_STAMP): $(LLAMACPP_SDIST)
 
 llamacpp-venv: $(LLAMACPP_STAMP)
 
-# Every llama.cpp case on both tiny models and the config-zoo entries its converter takes, against the fp64 oracle,
-# and the pinned findings (tests/llamacpp, docs/llamacpp.md).
+# Every llama.cpp case on both tiny models and the config-zoo entries it runs, against the fp64 oracle, the pinned
+# findings (tests/llamacpp, docs/llamacpp.md), then the adapter's mutants (mutants/defs, engine = "llamacpp"), which
+# those tests must kill. About 3 minutes on 2 cores once the venv exists.
 test-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 	$(PY) -m pytest -n $(XDIST) --timeout=1800 --engine llamacpp tests/llamacpp
+	$(PY) -m mutants.run --engine llamacpp --jobs $(XDIST) --out out/mutants-llamacpp
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .pytest_cache .hypothesis

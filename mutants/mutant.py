@@ -9,6 +9,7 @@ fails loudly instead of planting something else. File format (TOML; ''' strings 
     selection = ["tests/kernels/test_causal_conv1d.py::test_one_sequence"]   # run in this order with -x
     gpu = false                                              # true: needs CUDA (make mutants-gpu)
     ci = false                                               # true: one of the fast subset run by .ci/run
+    engine = "llamacpp"                                      # an opt-in engine its tests need (run with --engine)
 
     [[edit]]
     file = "vendored/ops/causal_conv1d.py"
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFS = Path(__file__).resolve().parent / "defs"
-_KEYS = {"class", "bug", "selection", "gpu", "ci", "edit"}
+_KEYS = {"class", "bug", "selection", "gpu", "ci", "engine", "edit"}
 _EDIT_KEYS = {"file", "anchor", "replacement"}
 
 
@@ -47,6 +48,7 @@ class Mutant:
     edits: tuple[Edit, ...]
     gpu: bool = False
     ci: bool = False
+    engine: str | None = None   # an opt-in engine (Engine.opt_in) whose pytest cases the selection is: --engine
 
     @classmethod
     def load(cls, path: Path) -> "Mutant":
@@ -69,7 +71,7 @@ class Mutant:
                 raise MutantError(f"{path.name}: edit {i}: the replacement equals the anchor (no mutation)")
             edits.append(Edit(e["file"], e["anchor"], e["replacement"]))
         return cls(path.stem, data["class"], data["bug"], tuple(data["selection"]), tuple(edits),
-                   bool(data.get("gpu", False)), bool(data.get("ci", False)))
+                   bool(data.get("gpu", False)), bool(data.get("ci", False)), data.get("engine"))
 
     def mutated_sources(self, root: Path) -> dict[str, str]:
         """The new text of every file the mutant edits, from the files under `root` (nothing is written).

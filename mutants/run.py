@@ -1,6 +1,6 @@
 """Run the mutation suite: each mutant in its own scratch copy of the tree, its test selection with -x, a table.
 
-    python -m mutants.run [--gpu] [--ci] [--only NAME,...] [--jobs N] [--out DIR]
+    python -m mutants.run [--gpu] [--ci] [--engine NAME] [--only NAME,...] [--jobs N] [--out DIR]
 
 The working tree is never modified: the tree (minus .git, .venv, out/ and caches) is copied once per mutant into a
 temporary directory, the mutant's edits are written there, and pytest runs from there with that copy first on
@@ -8,6 +8,8 @@ sys.path. First a baseline: the union of the selections must pass on an unmutate
 nothing. Outcomes: killed (a selected test failed: it is named), timeout (counted as caught: the suite notices a
 hang), survived, broken (the selection could not even run: a collection error, no test collected), unapplied (an
 anchor not found exactly once). Exit status 0 only when every mutant is killed or timed out.
+Mutants of an opt-in engine's adapter (`engine = "llamacpp"` in the file) run only with --engine NAME, their
+selections with pytest's --engine NAME, against the engine's own virtualenv and caches in this tree.
 Writes report.json and table.md to --out.
 """
 
@@ -34,7 +36,11 @@ from .mutant import DEFS, Mutant, MutantError, load_all
 
 ROOT = Path(__file__).resolve().parents[1]
 # Left out of every scratch copy: at the top level (as .gitignore has them) and at any depth.
-SKIP_TOP = {".git", ".venv", "out", ".peers", ".whl", "build", "dist"}
+SKIP_TOP = {".git", ".venv", ".venv-vllm", ".venv-llamacpp", ".cache", "out", ".peers", ".whl", "build", "dist"}
+# What an opt-in engine in a scratch copy uses from this tree: its virtualenv, its sources, its conversion cache.
+ENGINE_ENV = {"BAMBA_LLAMACPP_PYTHON": ROOT / ".venv-llamacpp" / "bin" / "python",
+              "BAMBA_LLAMACPP_SOURCE": None, "BAMBA_GGUF_CACHE": ROOT / ".cache" / "gguf",
+              "BAMBA_VLLM_PYTHON": ROOT / ".venv-vllm" / "bin" / "python"}
 SKIP_ANY = {"__pycache__", ".pytest_cache", ".hypothesis"}
 CAUGHT = ("killed", "timeout")
 
@@ -62,8 +68,10 @@ def copy_tree(src: Path, dst: Path) -> None:
 
 
 def pytest_command(selection: list[str], junit: Path, *, gpu: bool, timeout: int, stop_first: bool,
-                   workers: int = 0) -> list[str]:
+                   workers: int = 0, engine: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit)]
+    if engine:
+        cmd += ["--engine", engine]
     if not gpu:
         cmd += ["-m", "not gpu"]
     if stop_first:
@@ -77,6 +85,10 @@ def pytest_command(selection: list[str], junit: Path, *, gpu: bool, timeout: int
 
 def scratch_env(tree: Path, threads: int) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(tree), BAMBA_TORCH_THREADS=str(threads), PYTHONDONTWRITEBYTECODE="1")
+    sources = sorted((ROOT / ".venv-llamacpp" / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    for key, path in {**ENGINE_ENV, "BAMBA_LLAMACPP_SOURCE": sources[-1] if sources else None}.items():
+        if path is not None:
+            env.setdefault(key, str(path))
     env.pop("PYTEST_XDIST_WORKER", None)
     return env
 
@@ -109,7 +121,8 @@ def run_mutant(mutant: Mutant, scratch: Path, *, gpu: bool, timeout: int, thread
     except MutantError as err:
         return Outcome(**result, outcome="unapplied", caught_by=None, message=str(err), seconds=0.0, tests_run=0)
     junit = scratch / f"{mutant.name}.xml"
-    cmd = pytest_command(list(mutant.selection), junit, gpu=gpu, timeout=timeout, stop_first=True)
+    cmd = pytest_command(list(mutant.selection), junit, gpu=gpu, timeout=timeout, stop_first=True,
+                         engine=mutant.engine)
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=tree, env=scratch_env(tree, threads), capture_output=True, text=True,
@@ -151,8 +164,11 @@ def baseline(mutants: list[Mutant], scratch: Path, *, gpu: bool, timeout: int, j
     if not Path(where).resolve().is_relative_to(tree.resolve()):
         sys.exit(f"mutants: the scratch copy imports vendored from {where}, not from {tree}: mutants would not run")
     selection = list(dict.fromkeys(node for m in mutants for node in m.selection))
+    engines = {m.engine for m in mutants}
+    if len(engines) > 1:
+        sys.exit(f"mutants: one run takes the mutants of one engine, got {sorted(map(str, engines))}")
     cmd = pytest_command(selection, scratch / "baseline.xml", gpu=gpu, timeout=timeout, stop_first=False,
-                         workers=jobs)
+                         workers=jobs, engine=engines.pop())
     print(f"baseline: {len(selection)} selections on the unmutated tree ...", flush=True)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
@@ -173,8 +189,8 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def select(mutants: list[Mutant], *, gpu: bool, ci: bool, only: str | None) -> list[Mutant]:
-    chosen = [m for m in mutants if m.gpu == gpu and (m.ci or not ci)]
+def select(mutants: list[Mutant], *, gpu: bool, ci: bool, only: str | None, engine: str | None = None) -> list[Mutant]:
+    chosen = [m for m in mutants if m.gpu == gpu and m.engine == engine and (m.ci or not ci)]
     if only:
         names = [n.strip() for n in only.split(",") if n.strip()]
         unknown = sorted(set(names) - {m.name for m in mutants})
@@ -189,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", action="store_true", help="the GPU-only mutants (CUDA graphs, NCCL TP, long inputs)")
     parser.add_argument("--ci", action="store_true", help="only the fast subset marked ci = true")
     parser.add_argument("--only", help="comma-separated mutant names")
+    parser.add_argument("--engine", help="the mutants of this opt-in engine's adapter (llamacpp), run with its tests")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2, CI's cores)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "mutants")
@@ -198,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs: expected a positive integer, got {args.jobs}")
 
-    mutants = select(load_all(DEFS), gpu=args.gpu, ci=args.ci, only=args.only)
+    mutants = select(load_all(DEFS), gpu=args.gpu, ci=args.ci, only=args.only, engine=args.engine)
     if not mutants:
         print("mutants: none selected")
         return 0

@@ -17,7 +17,9 @@ from mutants.run import classify, copy_tree, first_failure, select
 ROOT = Path(__file__).resolve().parents[2]
 # What a mutant may plant a bug in: the system under test, the oracle, and the judge (a harness must also catch a bug
 # in how it computes the truth or its budget). Never in tests/ or the mutation machinery itself.
-MUTABLE = ("vendored/", "reference/", "harness/compare.py", "harness/runner.py")
+# An adapter of an engine outside this repository (llama.cpp's) is also the system under test: what the harness
+# judges is what it feeds the engine and reads back.
+MUTABLE = ("vendored/", "reference/", "harness/compare.py", "harness/runner.py", "harness/adapters/llamacpp")
 MUTANTS = load_all(DEFS)
 
 
