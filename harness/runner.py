@@ -306,7 +306,7 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
                                   rerun=lambda forced: oracle.run_beside(candidate, forced, dtype), noise=noise)
         if candidate.provenance():
             report.meta["engine_provenance"] = candidate.provenance()
-        hint = getattr(engine_cls, "oracle_hint", None)       # an engine known to compute another model here
+        hint = getattr(candidate, "oracle_hint", None)        # an engine known to compute another model here
         if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
             report.meta["hint"] = text
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device),

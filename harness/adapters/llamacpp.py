@@ -12,7 +12,8 @@ ERROR). engine_args opt in to what is not the converter's plain run, and the rep
 - pre_tokenizer=NAME: the documented way past "BPE pre-tokenizer was not recognized" (every tokenizer trained for a
   small model is unknown to the converter): write NAME (e.g. gpt-2) as the tokenizer's pre-tokenizer. Token ids,
   and so what the harness judges, do not depend on it.
-- convert_patch=FILE: a finding's converter patch (findings/llamacpp_*.py), which its test applies to show a cause.
+- convert_patch=FILE[::FUNCTION]: a finding's converter patch (findings/llamacpp_*.py), which its test applies to
+  show a cause.
 
 The scheduler is the harness's (harness/schedule.py, vLLM-like; llama.h has none, its callers schedule): each
 planned step is one llama_batch, every piece in the sequence of its request's slot, and one llama_decode. So:
@@ -141,11 +142,13 @@ def converter_message(log: str) -> str:
 _refusals: dict[str, str] = {}
 
 
-def convert(checkpoint: Path, outtype: str, *, pre_tokenizer: str | None = None, patch: Path | None = None) -> Path:
-    """The GGUF of `checkpoint` as llama.cpp's converter writes it (cached); ConversionError where it refuses."""
+def convert(checkpoint: Path, outtype: str, *, pre_tokenizer: str | None = None, patch: str | None = None) -> Path:
+    """The GGUF of `checkpoint` as llama.cpp's converter writes it (cached); ConversionError where it refuses.
+    patch: FILE or FILE::FUNCTION, a finding's converter patch (llamacpp_convert.py)."""
     source = llamacpp_source()
+    patch_text = Path(patch.partition("::")[0]).read_text() + patch.partition("::")[2] if patch else None
     key = hashlib.sha256(json.dumps([checkpoint_hash(checkpoint), outtype, pre_tokenizer, source_provenance(source),
-                                     patch.read_text() if patch else None]).encode()).hexdigest()[:24]
+                                     patch_text]).encode()).hexdigest()[:24]
     cache = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
     target = cache / f"{checkpoint.name}-{outtype}-{key}.gguf"
     if target.is_file():
@@ -158,7 +161,7 @@ def convert(checkpoint: Path, outtype: str, *, pre_tokenizer: str | None = None,
     if pre_tokenizer:
         argv += ["--pre-tokenizer", pre_tokenizer]
     if patch:
-        argv += ["--patch", str(patch)]
+        argv += ["--patch", patch]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=CONVERT_TIMEOUT,
                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
@@ -245,7 +248,7 @@ class LlamaCppEngine(Engine):
                 reasons.append(f"{key}: expected a positive integer, got {args[key]!r}")
         if str(args.get("state_roundtrip", "0")) not in ("0", "1"):
             reasons.append(f"state_roundtrip: expected 0 or 1, got {args['state_roundtrip']!r}")
-        if "convert_patch" in args and not Path(args["convert_patch"]).is_file():
+        if "convert_patch" in args and not Path(args["convert_patch"].partition("::")[0]).is_file():
             reasons.append(f"convert_patch: {args['convert_patch']} is not a file")
         return reasons
 
@@ -286,14 +289,27 @@ class LlamaCppEngine(Engine):
         self.kv_type = args.get("kv_type", "f32" if self.dtype == torch.float32 else "f16")
         self.flash_attn = args.get("flash_attn", "auto")
         self.threads = int(args.get("threads", 1))
-        patch = Path(args["convert_patch"]).resolve() if "convert_patch" in args else None
+        patch = args.get("convert_patch")
         self.gguf = convert(self.checkpoint, OUTTYPES[self.dtype], pre_tokenizer=args.get("pre_tokenizer"),
                             patch=patch)
         source = llamacpp_source()
         self._provenance = {**source_provenance(source), "gguf": self.gguf.name, "outtype": OUTTYPES[self.dtype],
                             "pre_tokenizer_workaround": args.get("pre_tokenizer"),
-                            "convert_patch": str(patch) if patch else None, "kv_type": self.kv_type,
+                            "convert_patch": patch, "kv_type": self.kv_type,
                             "flash_attn": self.flash_attn, "threads": self.threads}
+
+    def oracle_hint(self, cfg, oracle_gated_norm: str) -> str | None:
+        """The known reasons (docs/llamacpp.md's findings) why llama.cpp computes another model than this checkpoint
+        defines, for a failed report: RoPE (partial, or dropped for GraniteMoeHybrid), Δ's clamp, f16 attention."""
+        from ..llamacpp_cases import FINDINGS, oracle_fields_for
+
+        _, findings = oracle_fields_for(cfg)
+        if self.flash_attn != "off" and self.dtype == torch.float32:
+            findings.append("flash-attention-f16")
+        if not findings:
+            return None
+        return "known llama.cpp findings for this checkpoint (docs/llamacpp.md): " + "; ".join(
+            f"{name}: {FINDINGS[name].title}" for name in findings)
 
     def provenance(self) -> dict:
         return dict(self._provenance, **{k: v for k, v in self.context.items() if k != "system_info"})

@@ -12,9 +12,9 @@ OUTTYPE`: the converter is part of the system under test, so nothing of ours tou
   the name to write instead (llama.cpp's documented way out: name the pre-tokenizer the model's is like, e.g.
   "gpt-2"). Only the tokenizer's metadata changes: token ids, and so every logprob the harness judges, do not
   depend on it. A recognised tokenizer keeps its own name.
-- --patch FILE: a Python file defining `apply(conversion, **patch_args)`, called with the converter's `conversion`
-  package after it is imported and before the converter runs: a finding's proof of cause (findings/llamacpp_*.py),
-  applied only in that finding's test.
+- --patch FILE[::FUNCTION]: a Python file defining `apply(conversion, **patch_args)` (or FUNCTION), called with the
+  converter's `conversion` package after it is imported and before the converter runs: a finding's proof of cause
+  (findings/llamacpp_*.py), applied only in that finding's test.
 
 The converter prints its log to stderr; its exit status is this script's.
 """
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("outfile")
     parser.add_argument("outtype")
     parser.add_argument("--pre-tokenizer")
-    parser.add_argument("--patch", type=Path)
+    parser.add_argument("--patch")
     parser.add_argument("--patch-arg", action="append", default=[])
     args = parser.parse_args()
 
@@ -58,10 +58,11 @@ def main() -> None:
 
         base.get_vocab_base_pre = get_vocab_base_pre
     if args.patch:
-        spec = importlib.util.spec_from_file_location("finding_patch", args.patch)
+        path, _, function = str(args.patch).partition("::")
+        spec = importlib.util.spec_from_file_location("finding_patch", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        module.apply(conversion, **dict(pair.split("=", 1) for pair in args.patch_arg))
+        getattr(module, function or "apply")(conversion, **dict(pair.split("=", 1) for pair in args.patch_arg))
     sys.argv = [str(script), args.checkpoint, "--outfile", args.outfile, "--outtype", args.outtype]
     runpy.run_path(str(script), run_name="__main__")
 

@@ -197,3 +197,10 @@ def test_oracle_fields_name_the_model_llamacpp_computes():
     assert oracle_fields_for(zoo.model_config("granite-moe4-kv2-attention-first-dt-limit")) == (
         {"position_embedding_type": "nope", "time_step_limit": None}, ["granite-rope-dropped", "time-step-limit"])
     assert oracle_fields_for(ModelConfig.from_json(ROOT / "fixtures" / "tiny-granite")) == ({}, [])
+
+
+def test_docs_findings_table_is_the_registry():
+    from harness.llamacpp_cases import findings_markdown
+
+    assert findings_markdown() in (ROOT / "docs" / "llamacpp.md").read_text(), \
+        "docs/llamacpp.md's findings table differs from harness/llamacpp_cases.FINDINGS: paste findings_markdown()"

@@ -136,3 +136,11 @@ def test_llamacpp_runs_checkpoint(case, llamacpp_root):
 
 def test_pre_tokenizer_workaround_loads():
     assert refusal(FIXTURES / "tiny-bamba", **PRE_TOKENIZER) is None
+
+
+@pinned("partial-rope")
+def test_partial_rope_rotary_count_alone_matches_oracle():
+    """A config.json that carries the rotary count (attn_rotary_emb) is not enough: the permutation spans the
+    whole head."""
+    patch = f"{PATCHES['partial-rope']}::apply_rotary_count_only"
+    _assert_matches(judge(FIXTURES / "tiny-bamba", convert_patch=patch, **PRE_TOKENIZER))

@@ -104,3 +104,26 @@ def test_state_save_and_restore_changes_no_bit(name, llamacpp_model):
     restored = _logprobs(model, requests, max_num_batched_tokens=Q + 1, state_roundtrip="1")
     for request, a, b in zip(requests, plain, restored):
         assert torch.equal(a, b), f"{request.request_id}: restored state differs by {(a - b).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("scenario_id", ["batching-together", "chunked_prefill-budget17-Q16"])
+def test_llamacpp_matches_the_vendored_engine(scenario_id, llamacpp_model):
+    """--against: llama.cpp judged directly against the vendored engine (Triton, interpreted on the CPU), each side's
+    budget added (harness/runner.py check_against)."""
+    from harness.runner import check_against
+
+    model = llamacpp_model("tiny-granite")
+    scenario = {s.id: s for s in build_scenarios(model.cfg)}[scenario_id]
+    report = check_against(LlamaCppEngine, scenario, against="vendored", oracle=model.oracle, source=model.source,
+                           engine_args=model.engine_args)
+    assert report.meta["baseline"] == "vendored float32"
+    assert sum(len(c.positions) for c in report.comparisons) > 0
+    assert report.passed, report.message()
+
+
+def test_the_report_records_what_llamacpp_ran(llamacpp_model):
+    model = llamacpp_model("tiny-granite")
+    seen = _judge(model, "batching-together", "float32").meta["engine_provenance"]
+    assert seen["llama_cpp_python"] == "0.3.36" and len(seen["llama_cpp_commit"]) >= 7
+    assert seen["pre_tokenizer_workaround"] == "gpt-2" and seen["outtype"] == "f32"
+    assert seen["gguf"].endswith(".gguf") and seen["flash_attn"] == "off"
