@@ -193,5 +193,5 @@ test-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
 	$(PY) -m mutants.run --engine llamacpp --jobs $(XDIST) --out out/mutants-llamacpp
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .cache .pytest_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -312,7 +312,7 @@ class LlamaCppEngine(Engine):
             f"{name}: {FINDINGS[name].title}" for name in findings)
 
     def provenance(self) -> dict:
-        return dict(self._provenance, **{k: v for k, v in self.context.items() if k != "system_info"})
+        return dict(self._provenance, **self.context)
 
     def _start(self, context: dict) -> None:
         """A worker with a context of these parameters (the running one when they are the same)."""
