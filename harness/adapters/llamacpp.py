@@ -352,15 +352,8 @@ class LlamaCppEngine(Engine):
 
     def _stop(self) -> None:
         worker, self.worker = getattr(self, "worker", None), None
-        if worker is None:
-            return
-        if not worker.failed and worker.proc.poll() is None:
-            try:
-                worker.send({"cmd": "exit"})
-                worker.proc.wait(30)
-            except (WorkerError, subprocess.TimeoutExpired):
-                pass
-        worker.cleanup()
+        if worker is not None:
+            worker.exit()
 
     def close(self) -> None:
         self._stop()

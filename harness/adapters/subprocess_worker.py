@@ -141,6 +141,17 @@ class WorkerProcess:
                     pass
         self._log.close()
 
+    def exit(self, grace: float = 30.0) -> None:
+        """Ask a healthy worker to exit ({"cmd": "exit"}) and wait up to `grace` s, then cleanup() (which stops it
+        if it did not)."""
+        if self.proc.poll() is None and not self.failed:
+            try:
+                self.send({"cmd": "exit"})
+                self.proc.wait(grace)
+            except (WorkerError, subprocess.TimeoutExpired):
+                pass
+        self.cleanup()
+
     def cleanup(self) -> None:
         """close(), then delete the log unless something failed (the error message names it)."""
         self.close()

@@ -121,16 +121,6 @@ _idle: dict[tuple[Path, str], list[WorkerProcess]] = {}
 UNLOAD_TIMEOUT = 120.0
 
 
-def _stop_worker(worker: WorkerProcess) -> None:
-    if worker.proc.poll() is None and not worker.failed:
-        try:
-            worker.send({"cmd": "exit"})
-            worker.proc.wait(30)
-        except (WorkerError, subprocess.TimeoutExpired):
-            pass
-    worker.cleanup()
-
-
 def _take_worker(python: Path, device: torch.device) -> WorkerProcess:
     """An idle worker for this interpreter and device, or a new one."""
     pool = _idle.get((python, device.type), [])
@@ -154,7 +144,7 @@ def stop_idle_workers() -> None:
     """Stop every pooled worker (also registered to run when the process exits)."""
     for pool in _idle.values():
         while pool:
-            _stop_worker(pool.pop())
+            pool.pop().exit()
 
 
 class VllmEngine(Engine):
@@ -291,7 +281,7 @@ class VllmEngine(Engine):
                     return
             except WorkerError:
                 pass
-        _stop_worker(worker)
+        worker.exit()
 
     def close(self) -> None:
         self._stop()
