@@ -41,10 +41,10 @@ def candidates(default, rounded_default) -> dict[str, tuple[str, object]]:
     """Name -> (products, _Blocks): the defaults of both precision modes and variations around them."""
     out = {"default": default}
     # (narrower state tiles, 3 stages, 32-wide C·S steps, 128-row tiles on 8 warps and 32-wide head-dim tiles were
-    # slower than the default in the sweeps of 2026-11-30: bench/results/2026-11-30-h200-after/sweep_scan.txt; stages
+    # slower than the default in the sweeps of 2026-11-30: results/2026-11-30-h200-after/sweep_scan.txt; stages
     # 2 and 3 fused into one walk along each sequence was 4x slower at 32K tokens in one sequence, and the decays by
     # exp2 of an fp64 product with log2(e) no faster than tl.exp, which is already one ex2.approx an element,
-    # 2026-12-04: bench/results/2026-12-04-h200-scan-structure; so were the products of stages 2 and 4 transposed,
+    # 2026-12-04: results/2026-12-04-h200-scan-structure; so were the products of stages 2 and 4 transposed,
     # the fp32 factor on the right, which the tensor cores read from shared memory where its bf16 pieces are stored
     # once: stage 4 2338 against 2208 µs at 32K, spilling under the register cap, experiment_transposed_products.diff
     # there)
@@ -65,7 +65,7 @@ def candidates(default, rounded_default) -> dict[str, tuple[str, object]]:
         out[name] = default._replace(**change)
     # (stage 3 handing stage 4 the states entering the chunks as bf16 pieces, so that stage 4 does not split each
     # again for each of its row tiles, was slower: stage 4 2310 vs 2188 µs and stage 3 378 vs 266 µs at 32K tokens,
-    # bench/results/2026-11-30-h200-session4/sweep_scan_split_states.txt; and stage 4 computing C·Bᵀ itself, per head
+    # results/2026-11-30-h200-session4/sweep_scan_split_states.txt; and stage 4 computing C·Bᵀ itself, per head
     # and 32 columns at a time, so that the weights stay in registers between the two products instead of going
     # through shared memory, as flash attention does: 2.70 ms (168 registers) and 3.59 ms (uncapped, 205) against
     # 2.18, experiment_stage4_cb_per_head.json there: every head recomputes its group's C·Bᵀ)

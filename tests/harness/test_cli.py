@@ -54,7 +54,7 @@ def test_python_dash_m_entry_point(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip() == ("bamba-harness: error: unknown engine 'nope': expected one of reference, "
-                                  "transformers, vendored, vllm, server")
+                                  "transformers, vendored, vllm, server, llamacpp")
 
 
 class CrashingEngine(ReferenceEngine):

@@ -12,6 +12,7 @@ import torch
 
 from .cache import KVCache, StatePool
 from .cudagraph import DecodeGraphRunner
+from .errors import EngineError
 from .model import BambaEngineModel, StepBatch
 from .ranking import log_softmax_at, log_softmax_norm, ranked_log_softmax
 from .sampling import SamplingParams, sample
@@ -31,10 +32,6 @@ class _Ahead:
     event: "torch.cuda.Event | None"
     finished: list[Sequence]
     wanted: int
-
-
-class EngineError(RuntimeError):
-    """A request the engine cannot serve, or an engine that cannot make progress."""
 
 
 @dataclass

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from vendored.ops.rms_norm_gated import rms_norm_gated
 
 from .cache import KVCache, StatePool
-from .engine import EngineError
+from .errors import EngineError
 from .model import BambaEngineModel, StepBatch
 from .sharding import RankShard, local_config, parallel_problems, plan_shard, shard_tensors, stage_layers
 from .weights import EngineModelConfig, read_tensors

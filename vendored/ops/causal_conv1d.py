@@ -484,7 +484,7 @@ def _prefill_launch(n_tokens: int, n_channels: int, device: torch.device) -> Pre
     4 warps needs 255 registers and spills (ptxas -v, sm_90). The row kernel writes the final windows itself: one
     launch, where two launches' host time was what lost at 2K tokens (state_block_* unused). 128 channels rather
     than 256 a program: twice the programs, which a 2K-token call needs to fill the GPU; on an H200 (2026-12-04,
-    bench/results/2026-12-04-h200-conv-one-launch) device time 29.3 against 34.5 µs at 2K tokens in one sequence,
+    results/2026-12-04-h200-conv-one-launch) device time 29.3 against 34.5 µs at 2K tokens in one sequence,
     31.2 against 37.8 in 8, 363 against 397 µs at 32K, 408 against 439 in 8.
     Interpreter, where every program costs the same fixed time whatever its size: 64 x 128 2-D tiles and 4 sequences
     a final-window program, smaller than the test shapes so that tests cross tile edges (tests run the row kernel
