@@ -198,8 +198,12 @@ def _prompt_source(args, cfg):
     if args.prompts:
         try:
             source = PromptSource.from_jsonl(args.prompts, cfg.vocab_size)
-        except (OSError, ValueError, KeyError) as err:
-            raise UsageError(f"--prompts {args.prompts}: {err}") from err
+        except OSError as err:
+            raise UsageError(f"--prompts {args.prompts}: not a readable file ({err.strerror or err})") from err
+        except ValueError as err:      # "FILE:LINE: field: expected ..., found ...": FILE is args.prompts
+            message = str(err)
+            raise UsageError(f"--prompts {message}" if message.startswith(f"{args.prompts}:")
+                             else f"--prompts {args.prompts}: {message}") from err
     elif DEFAULT_PROMPTS.is_file():
         try:
             source = PromptSource.from_jsonl(DEFAULT_PROMPTS, cfg.vocab_size)

@@ -70,6 +70,16 @@ class Scenario:
         return reqs
 
 
+def _found(value) -> str:
+    """A JSON value as a prompts-file error names what it found: its text (cut at 40 characters) and its type."""
+    kind = ("a boolean" if isinstance(value, bool) else "an integer" if isinstance(value, int) else
+            "a float" if isinstance(value, float) else "a string" if isinstance(value, str) else
+            "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else None)
+    text = json.dumps(value, ensure_ascii=False)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return text if kind is None else f"{text} ({kind})"
+
+
 @dataclass
 class PromptSource:
     """Token ids for workloads. With real prompts: request `index` of length L takes the first L tokens of one of the
@@ -82,20 +92,59 @@ class PromptSource:
 
     @classmethod
     def from_jsonl(cls, path: str | Path, vocab_size: int) -> "PromptSource":
-        """fixtures/prompts.jsonl: one JSON object a line with token_ids (and id, kind, text, unused here)."""
-        prompts = []
-        for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        """fixtures/prompts.jsonl: one JSON object a line (blank lines skipped) with token_ids, a non-empty list of
+        integer ids in [0, vocab_size), and optionally id, a string or integer not repeated in the file (kind, text
+        and any other fields are unused here). Anything else raises ValueError as `path:line: field: expected ...,
+        found ...`, the first bad line only."""
+        prompts, seen = [], {}                     # seen: str(id) -> (line, id) of its first use
+        for line_no, raw in enumerate(Path(path).read_bytes().splitlines(), 1):   # bytes: \n, \r\n, \r only
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: expected UTF-8 text, found byte 0x{raw[err.start]:02x} at column "
+                                 f"{err.start + 1}") from None
             if not line.strip():
                 continue
-            ids = [int(t) for t in json.loads(line)["token_ids"]]
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"{path}:{line_no}: token id {bad[0]} outside the model's vocabulary "
-                                 f"[0, {vocab_size}) (prompts made for another tokenizer?)")
-            if ids:
-                prompts.append(ids)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: expected a JSON object with token_ids, found text that is not JSON "
+                                 f"({err.msg} at column {err.colno})") from None
+            except (ValueError, RecursionError) as err:      # an integer of over 4300 digits; arrays nested deep
+                raise ValueError(f"{where}: expected a JSON object with token_ids, found JSON that Python cannot "
+                                 f"read ({err})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object with token_ids, found {_found(row)}")
+            if "id" in row:
+                rid = row["id"]
+                if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+                    raise ValueError(f"{where}: id: expected a string or an integer, found {_found(rid)}")
+                if str(rid) in seen:
+                    first_line, first = seen[str(rid)]
+                    raise ValueError(f"{where}: id: expected each id once in the file, found {json.dumps(rid)} "
+                                     f"again (line {first_line} has {json.dumps(first)})")
+                seen[str(rid)] = (line_no, rid)
+            if "token_ids" not in row:
+                fields = ", ".join(row) or "no fields"
+                raise ValueError(f"{where}: token_ids: expected a list of integer token ids, found no such field "
+                                 f"(the object has {fields})")
+            ids = row["token_ids"]
+            if not isinstance(ids, list):
+                raise ValueError(f"{where}: token_ids: expected a list of integer token ids, found {_found(ids)}")
+            if not ids:
+                raise ValueError(f"{where}: token_ids: expected at least one token id, found an empty list (an "
+                                 "empty prompt cannot be scored)")
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"{where}: token_ids[{i}]: expected an integer token id, found {_found(t)}")
+                if not 0 <= t < vocab_size:
+                    hint = " (prompts made for another tokenizer?)" if t >= vocab_size else ""
+                    raise ValueError(f"{where}: token_ids[{i}]: token id {t} outside the model's vocabulary "
+                                     f"[0, {vocab_size}){hint}")
+            prompts.append(ids)
         if not prompts:
-            raise ValueError(f"{path}: no prompts")
+            raise ValueError(f"{path}: no prompts (expected one JSON object a line with token_ids)")
         return cls(vocab_size, prompts=prompts)
 
     def tokens(self, length: int, index: int) -> list[int]:

@@ -241,6 +241,7 @@ class ModelConfig:
             why = ("GraniteMoeHybrid places attention by layer_types and derives the head dim as hidden_size // heads"
                    if family == "granitemoehybrid" else "BambaConfig has no multipliers, experts or NoPE")
             raise ConfigError(f"{foreign}: not {family} config fields ({why})")
+        _check_types(raw)
         if family == "granitemoehybrid":
             raw = {**_GRANITE_DEFAULTS, **raw}
             if raw["position_embedding_type"] == "nope":        # Granite 4.0-H files spell NoPE so
@@ -316,7 +317,90 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON ({err})") from err
-        return cls.from_dict(raw)
+        except (UnicodeDecodeError, RecursionError) as err:
+            raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(raw, dict):
+            text = json.dumps(raw)
+            raise ConfigError(f"{path}: expected a JSON object of config fields, got "
+                              f"{text if len(text) <= 40 else text[:37] + '...'}")
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as err:                  # every message names its field; this names the file
+            raise ConfigError(f"{path}: {err}") from None
+        except (TypeError, ValueError, AttributeError) as err:   # a shape no check above foresaw: still the file
+            raise ConfigError(f"{path}: cannot be interpreted ({type(err).__name__}: {err})") from err
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_finite(value) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
+def _is_float_json(value) -> bool:
+    """What _json_float reads: a number, a numeric string, or transformers' {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return _is_number(value)
+
+
+_POSITIVE_INT = ("a positive integer", lambda v: _is_int(v) and v >= 1)
+_NON_NEGATIVE_INT = ("a non-negative integer", lambda v: _is_int(v) and v >= 0)
+_BOOL = ("true or false", lambda v: isinstance(v, bool))
+_NUMBER = ("a finite number", _is_finite)            # JSON's NaN and Infinity are Python's, never meant here
+_OR_NULL = lambda kind: (f"{kind[0]} or null", lambda v: v is None or kind[1](v))      # noqa: E731
+_LIST_OF = lambda what, ok: (f"a list of {what}", lambda v: isinstance(v, (list, tuple))   # noqa: E731
+                             and all(ok(x) for x in v))
+# The JSON type of each config.json field the reader interprets: checked before anything computes with one, so that
+# "hidden_size": "128" or "rms_norm_eps": "1e-5" is named as such rather than surfacing as a TypeError elsewhere.
+# Value constraints beyond the type (ranges, divisibility) are ModelConfig._validate's.
+_FIELD_TYPES: dict[str, tuple[str, object]] = {
+    **{name: _POSITIVE_INT for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                        "num_attention_heads", "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
+                                        "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "max_position_embeddings",
+                                        "shared_intermediate_size")},
+    **{name: _OR_NULL(_POSITIVE_INT) for name in ("num_key_value_heads", "head_dim")},
+    "mamba_d_head": ("'auto' or a positive integer", lambda v: v in (None, "auto") or _POSITIVE_INT[1](v)),
+    **{name: _NON_NEGATIVE_INT for name in ("num_local_experts", "num_experts_per_tok")},
+    **{name: _BOOL for name in ("attention_bias", "mlp_bias", "tie_word_embeddings", "mamba_conv_bias",
+                                "mamba_proj_bias")},
+    **{name: _NUMBER for name in ("rms_norm_eps", "embedding_multiplier", "residual_multiplier", "logits_scaling")},
+    **{name: _OR_NULL(_NUMBER) for name in ("rope_theta", "partial_rotary_factor", "attention_multiplier")},
+    "position_embedding_type": _OR_NULL(("a string", lambda v: isinstance(v, str))),
+    "attn_layer_indices": _OR_NULL(_LIST_OF("non-negative integers", lambda x: _is_int(x) and x >= 0)),
+    **{name: _OR_NULL(_LIST_OF("strings", lambda x: isinstance(x, str))) for name in ("layer_types",
+                                                                                       "layers_block_type")},
+    "rope_parameters": _OR_NULL(("an object", lambda v: isinstance(v, dict))),
+    "time_step_limit": _OR_NULL(("a list of two numbers", lambda v: isinstance(v, (list, tuple)) and len(v) == 2
+                                 and all(_is_float_json(x) for x in v))),
+}
+_ROPE_FIELD_TYPES: dict[str, tuple[str, object]] = {
+    "rope_type": ("a string", lambda v: isinstance(v, str)), "type": ("a string", lambda v: isinstance(v, str)),
+    "rope_theta": _NUMBER, "partial_rotary_factor": _NUMBER,
+}
+
+
+def _check_types(raw: dict) -> None:
+    """ConfigError `field: expected <type>, got <value>` for the first field of `raw` of the wrong JSON type."""
+    for name, (what, ok) in _FIELD_TYPES.items():
+        if name in raw and not ok(raw[name]):
+            raise ConfigError(f"{name}: expected {what}, got {raw[name]!r}")
+    for name, (what, ok) in _ROPE_FIELD_TYPES.items():
+        rope = raw.get("rope_parameters") or {}
+        if name in rope and not ok(rope[name]):
+            raise ConfigError(f"rope_parameters.{name}: expected {what}, got {rope[name]!r}")
 
 
 def _json_float(value) -> float:
