@@ -7,12 +7,21 @@ Run it on a machine with access to PyPI (the GPU image has none), then carry DES
 `make bench-kernels` reads `--peers .peers`. DEST is git-ignored and never committed. It ends up holding
 
     DEST/peer_loader.py                     bench/peer_loader.py, which the benchmarks import from --peers DEST
-    DEST/vendor/vllm_mamba_ops/ops/         vllm 0.33.0 (wheel): vllm/model_executor/layers/mamba/ops/*.py, configs/
+    DEST/vendor/vllm_mamba_ops-0.33.0/ops/  vllm 0.33.0 (wheel): vllm/model_executor/layers/mamba/ops/*.py, configs/
+    DEST/vendor/vllm_mamba_ops-0.10.2/ops/  vllm 0.10.2 (sdist), the same folder: a release between the two
+    DEST/vendor/vllm_mamba_ops-0.7.3/ops/   vllm 0.7.3 (sdist), the same folder: the first release with Bamba
     DEST/vendor/mamba_ssm_ops/              mamba-ssm 2.3.2.post1 (sdist): mamba_ssm/ops/triton/*.py,
                                             mamba_ssm/utils/{determinism,torch}.py
     DEST/vendor/fla_core/fla/               fla-core 0.6.0 (wheel): the whole fla package (pure Python + Triton)
 
-each peer's files unmodified, with its LICENSE and a SOURCE.txt naming the archive; about 6 MB in all.
+each peer's files unmodified, with its LICENSE and a SOURCE.txt naming the archive; about 7 MB in all.
+
+Three vLLM releases, for tests/kernels' conformance table (`pytest tests/kernels --ops vllm-0.7.3`): 0.7.3 is the first
+release whose wheel has vllm/model_executor/models/bamba.py (0.7.2 has neither it nor the SSD scan ops), 0.10.2 one
+in between (the V1 engine, chunk_indices/chunk_offsets in the scan, Triton causal conv), 0.33.0 the current pin.
+The two older ones come as sdists (5 and 10 MB, where their wheels are 250 and 420 MB): `pip download` cannot save
+an sdist without building its metadata, which for vLLM means its CUDA build, so those are fetched by their PyPI file
+address, pinned beside the sha256.
 
 Each archive is fetched with `pip download --no-deps` and checked against the sha256 pinned below before anything is
 unpacked. mamba-ssm publishes only an sdist, and pip learns an sdist's metadata by running its setup.py, which
@@ -32,6 +41,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,15 +64,27 @@ class Peer:
     keep: tuple[tuple[str, str], ...]
     pip_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    url: str = ""                   # fetched from this address (PyPI's file host) instead of by pip
 
 
 VLLM_VERSION, MAMBA_SSM_VERSION, FLA_VERSION = "0.33.0", "2.3.2.post1", "0.6.0"
 _VLLM_OPS = "vllm/model_executor/layers/mamba/ops"
+_PYPI_FILES = "https://files.pythonhosted.org/packages"
+
+
+def _vllm_sdist(version: str, sha256: str, path: str) -> Peer:
+    """An older vLLM release from its sdist at PyPI's `path`: the Triton ops folder and the LICENSE."""
+    root = f"vllm-{version}"
+    return Peer(f"vllm-{version}", f"vllm=={version}", f"vllm-{version}.tar.gz", sha256,
+                f"vllm_mamba_ops-{version}",
+                keep=((f"{root}/{_VLLM_OPS}/*.py", "ops"), (f"{root}/LICENSE", "")),
+                url=f"{_PYPI_FILES}/{path}/vllm-{version}.tar.gz")
+
 _MAMBA_ROOT = f"mamba_ssm-{MAMBA_SSM_VERSION}"
 
 PEERS: tuple[Peer, ...] = (
     Peer("vllm", f"vllm=={VLLM_VERSION}", f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl",
-         "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa", "vllm_mamba_ops",
+         "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa", f"vllm_mamba_ops-{VLLM_VERSION}",
          keep=((f"{_VLLM_OPS}/*.py", "ops"), (f"{_VLLM_OPS}/configs/**", "ops/configs"),
                (f"vllm-{VLLM_VERSION}.dist-info/licenses/LICENSE", "")),
          # the wheel for the GPU image's platform, whatever machine fetches it
@@ -80,6 +102,10 @@ PEERS: tuple[Peer, ...] = (
          "b0708b70e0b119cd58a0a5146ea56cb175cef6ed969d8ac60267e3e077ce3ebd", "fla_core",
          keep=(("fla/**", "fla"), (f"fla_core-{FLA_VERSION}.dist-info/licenses/LICENSE", "")),
          pip_args=("--only-binary=:all:",)),
+    _vllm_sdist("0.10.2", "57608f44cf61f5d80fb182c98e06e524cb2925bb528258a7b247c8e43a52d13e",
+                "7d/0a/278d7bbf454f7de5322a5007427eed3e8b34ed6c2802491b56bbdfd7bbb4"),
+    _vllm_sdist("0.7.3", "841cc30bd4ffbc037e8b8bf6dbacbedc60cc0b2abb60366873b185159a1204e6",
+                "f5/73/87825ee293f0e721eb8aadbd0cf9c3436d4e3b3458322878f1f6e7398a0d"),
 )
 
 
@@ -132,7 +158,13 @@ def sha256_of(path: Path) -> str:
 def download(peer: Peer, downloads: Path) -> Path:
     """Fetch the archive (unless a copy with the pinned checksum is already there) and check its sha256."""
     archive = downloads / peer.archive
-    if not (archive.is_file() and sha256_of(archive) == peer.sha256):
+    if not (archive.is_file() and sha256_of(archive) == peer.sha256) and peer.url:
+        try:
+            with urllib.request.urlopen(peer.url, timeout=120) as response, archive.open("wb") as f:
+                shutil.copyfileobj(response, f)
+        except OSError as err:
+            raise FetchError(f"{peer.name}: download {peer.url}: {err}") from err
+    elif not (archive.is_file() and sha256_of(archive) == peer.sha256):
         done = subprocess.run(pip_command(peer, downloads), env=os.environ | peer.env)
         if done.returncode != 0:
             raise FetchError(f"{peer.name}: pip download {peer.requirement} exited with {done.returncode}")
@@ -201,7 +233,8 @@ def main(argv=None) -> int:
         downloads = Path(a.downloads) if a.downloads else Path("<temporary folder>")
         for peer in a.peers:
             env = " ".join(f"{k}={v}" for k, v in peer.env.items())
-            print(f"{peer.name}: {(env + ' ') if env else ''}{shlex.join(pip_command(peer, downloads))}")
+            how = f"GET {peer.url}" if peer.url else shlex.join(pip_command(peer, downloads))
+            print(f"{peer.name}: {(env + ' ') if env else ''}{how}")
             print(f"  check sha256 {peer.sha256} of {peer.archive}")
             for pattern, folder in peer.keep:
                 print(f"  keep {pattern} -> {vendor / peer.folder / folder}")

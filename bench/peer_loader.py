@@ -6,6 +6,8 @@ sys.path, set PEERS_VENDOR to DEST/vendor and call:
     load_vllm()       name, mamba_chunk_scan_combined_varlen, selective_state_update, causal_conv1d_fn,
                       causal_conv1d_update, rms_norm_gated, chunk_metadata(cu_seqlens, Q, device),
                       conv1d_metadata(query_start_loc, device)
+    load_vllm(v)      an older release (VLLM_RELEASES): version, modules {file stem: module} of what it has; its
+                      functions differ by release (tests/kernels/providers.py maps each)
     load_mamba_ssm()  name, mamba_chunk_scan_combined, selective_state_update, rmsnorm_fn,
                       autotuned_kernels["_chunk_scan_fwd_kernel"]
     load_fla()        name, chunk_simple_gla (the SSD recurrence as scalar-gated linear attention)
@@ -30,6 +32,7 @@ import types
 from pathlib import Path
 
 VLLM_VERSION, MAMBA_SSM_VERSION, FLA_VERSION = "0.33.0", "2.3.2.post1", "0.6.0"
+VLLM_RELEASES = ("0.7.3", "0.10.2", VLLM_VERSION)       # oldest first; bench/fetch_peers.py pins each
 _MARK = "__bamba_peer_stub__"
 
 
@@ -214,8 +217,11 @@ def _vllm_envs_getattr(name: str):
     raise AttributeError(name)
 
 
-def _install_vllm_stand_ins(ops_dir: Path) -> None:
+def _install_vllm_stand_ins(ops_dir: Path, version: str) -> None:
     if _ours("vllm"):
+        loaded = sys.modules["vllm"].__version__
+        if loaded != version:
+            raise RuntimeError(f"vllm {loaded}'s ops are already loaded in this process: one vLLM release a process")
         return
     import triton
     import triton.language as tl
@@ -224,7 +230,7 @@ def _install_vllm_stand_ins(ops_dir: Path) -> None:
     except ImportError:
         libdevice = None
 
-    _module("vllm", package=True, **{_MARK: True, "__version__": VLLM_VERSION})
+    _module("vllm", package=True, **{_MARK: True, "__version__": version})
     _module("vllm.envs", __getattr__=_vllm_envs_getattr,
             VLLM_TUNED_CONFIG_FOLDER=os.environ.get("VLLM_TUNED_CONFIG_FOLDER"))
     _module("vllm.logger", init_logger=lambda name: _LogOnce(logging.getLogger(name), {}))
@@ -234,8 +240,11 @@ def _install_vllm_stand_ins(ops_dir: Path) -> None:
     sys.modules["vllm._custom_ops"] = custom_ops
     sys.modules["vllm"]._custom_ops = custom_ops
     for package in ("vllm.utils", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends",
+                    "vllm.attention", "vllm.attention.backends",
                     "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.mamba"):
         _module(package, package=True)
+    # where releases before the V1 engine (0.7.3, 0.10.2) import the padding slot from: the same value
+    _module("vllm.attention.backends.utils", PAD_SLOT_ID=-1)
     _module("vllm.utils.platform_utils", get_device_name_as_file_name=lambda device_id=0: re.sub(
         r"[\s/]+", "_", _CudaPlatform.get_device_name(device_id)))
     # as in vllm/v1/attention/backends/utils.py of 0.33.0: padding rows carry slot -1; conv block 0 is the null block
@@ -243,15 +252,24 @@ def _install_vllm_stand_ins(ops_dir: Path) -> None:
     _module("vllm.model_executor.layers.mamba.ops", ops_dir)
 
 
-def load_vllm() -> types.SimpleNamespace:
-    ops_dir = vendor_dir() / "vllm_mamba_ops" / "ops"
-    _need(ops_dir / "ssd_combined.py", f"vllm {VLLM_VERSION}")
-    _install_vllm_stand_ins(ops_dir)
+def load_vllm(version: str = VLLM_VERSION) -> types.SimpleNamespace:
+    """vLLM `version`'s Triton ops (one of VLLM_RELEASES). The current pin gets the named functions the benchmarks
+    call; every release gets `modules`, {file stem: module} for the files it has (0.7.3 has no layernorm_gated, and
+    its causal_conv1d wraps compiled CUDA ops)."""
+    if version not in VLLM_RELEASES:
+        raise ValueError(f"vllm {version}: not a fetched release; expected one of {', '.join(VLLM_RELEASES)}")
+    ops_dir = vendor_dir() / f"vllm_mamba_ops-{version}" / "ops"
+    _need(ops_dir / "ssd_combined.py", f"vllm {version}")
+    _install_vllm_stand_ins(ops_dir, version)
     package = "vllm.model_executor.layers.mamba.ops"
+    if version != VLLM_VERSION:
+        stems = sorted(p.stem for p in ops_dir.glob("*.py") if p.stem != "__init__")
+        return types.SimpleNamespace(name=f"vllm-{version}", version=version,
+                                     modules={stem: importlib.import_module(f"{package}.{stem}") for stem in stems})
     ops = {name: importlib.import_module(f"{package}.{name}")
            for name in ("ssd_combined", "mamba_ssm", "causal_conv1d", "layernorm_gated")}
     return types.SimpleNamespace(
-        name=f"vllm-{VLLM_VERSION}",
+        name=f"vllm-{VLLM_VERSION}", version=VLLM_VERSION,
         mamba_chunk_scan_combined_varlen=ops["ssd_combined"].mamba_chunk_scan_combined_varlen,
         selective_state_update=ops["mamba_ssm"].selective_state_update,
         causal_conv1d_fn=ops["causal_conv1d"].causal_conv1d_fn,

@@ -20,9 +20,14 @@ def no_subprocess(monkeypatch):
 
 
 def test_every_peer_is_pinned_and_fetched_without_dependencies(tmp_path):
-    assert [p.name for p in PEERS] == ["vllm", "mamba_ssm", "fla"]
+    assert [p.name for p in PEERS] == ["vllm", "mamba_ssm", "fla", "vllm-0.10.2", "vllm-0.7.3"]
     for peer in PEERS:
         assert "==" in peer.requirement and len(peer.sha256) == 64
+        if peer.url:
+            # an sdist pip cannot save without building it: fetched from PyPI's file host, still sha256-checked
+            assert peer.url.startswith("https://files.pythonhosted.org/packages/")
+            assert peer.url.endswith(peer.archive) and peer.folder.endswith(peer.name.partition("-")[2])
+            continue
         command = pip_command(peer, tmp_path)
         assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command
         assert command[-2:] == ["--dest", str(tmp_path)]
