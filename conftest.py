@@ -28,7 +28,8 @@ _threads = 1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_
 torch.set_num_threads(int(os.environ.get("BAMBA_TORCH_THREADS", _threads)))
 
 # `--engine NAME` and the (engine, scenario) parametrization of harness tests (harness/pytest_plugin.py).
-pytest_plugins = ["harness.pytest_plugin"]
+# `--ops NAME`: whose Triton ops tests/kernels judges (tests/kernels/providers.py).
+pytest_plugins = ["harness.pytest_plugin", "tests.kernels.ops_plugin"]
 
 
 # make test-gpu runs several xdist workers on one GPU. Each worker's caching allocator keeps the memory of the

@@ -6,6 +6,8 @@ the twin itself differs by when run in d, plus atol:  |kernel - ref64| <= k·|re
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,9 @@ ON_GPU = torch.cuda.is_available()
 
 # Kernels run on the GPU when there is one, else under the Triton interpreter (set up by the root conftest.py).
 DEVICE = "cuda" if ON_GPU else "cpu"
+
+# the worst error/budget ratio of every assert_three_way of the running test (tests/kernels/ops_plugin.py reports it)
+WORST: list[float] = []
 
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
@@ -41,6 +46,9 @@ def assert_three_way(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_low:
         magnitude = ref64.abs().clamp(min=finfo.tiny)
         budget = budget + ulps * torch.exp2(torch.floor(torch.log2(magnitude))) * finfo.eps
     excess = err - budget
+    ratio = torch.where(budget > 0, err / budget.clamp(min=torch.finfo(torch.float64).tiny),
+                        torch.where(err > 0, math.inf, 0.0))
+    WORST.append(float(ratio.max()) if ratio.numel() else 0.0)
     if (excess > 0).any():
         worst = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
         raise AssertionError(

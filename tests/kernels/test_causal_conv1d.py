@@ -10,7 +10,7 @@ import torch
 
 from reference.ops import causal_conv1d_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
-from vendored.ops.causal_conv1d import causal_conv1d
+from tests.kernels.providers import OPS
 
 conv_module = importlib.import_module("vendored.ops.causal_conv1d")  # vendored.ops re-exports the function by that name
 
@@ -71,7 +71,7 @@ def run_and_check(lengths: list[int], has_initial: list[bool], *, n_channels: in
     pool_before = to_device(pool, dtype)
     pool_kernel = kernel_pool(pool_before, transposed=strided)
     pool_low, pool64 = pool_before.clone(), pool_before.double()
-    out = causal_conv1d(x_low, weight_low, bias_low, pool_kernel, cu_seqlens, state_indices, has_initial_state,
+    out = OPS.causal_conv1d(x_low, weight_low, bias_low, pool_kernel, cu_seqlens, state_indices, has_initial_state,
                         activation=activation)
     ref_low = causal_conv1d_ref(x_low, weight_low, bias_low, pool_low, cu_seqlens, state_indices,
                                 has_initial_state, activation=activation)
@@ -111,6 +111,7 @@ def test_pieces_shorter_than_window_keep_old_window():
 
 
 def launch_with(monkeypatch, **changes) -> None:
+    OPS.internal("our conv kernel's launch choices")
     """Make causal_conv1d launch with `changes` applied to its usual choice (a choice a GPU may make)."""
     choose = conv_module._prefill_launch
     monkeypatch.setattr(conv_module, "_prefill_launch", lambda *args: choose(*args)._replace(**changes))
@@ -157,7 +158,7 @@ def test_row_kernel_equals_tiles_bit_for_bit(monkeypatch):
     for rows_per_step in (0, 4):
         launch_with(monkeypatch, block_t=16, block_c=64, rows_per_step=rows_per_step)
         states = pool.clone()
-        out = causal_conv1d(x, weight, bias, states, **index)
+        out = OPS.causal_conv1d(x, weight, bias, states, **index)
         results.append((out, states))
     assert torch.equal(results[0][0], results[1][0]), "out: the row kernel's bits differ from the tiles'"
     assert torch.equal(results[0][1], results[1][1]), "conv_states differ"
@@ -180,7 +181,7 @@ def _tiles_and_rows(monkeypatch, lengths, has_initial, *, width=W, seed=0, block
     for tile_t, rows in ((8, 0), (block_t, rows_per_step)):                # the 2-D tiles need a power of 2
         launch_with(monkeypatch, block_t=tile_t, block_c=64, rows_per_step=rows)
         states = pool.clone()
-        results.append((causal_conv1d(x, weight, bias, states, **index), states))
+        results.append((OPS.causal_conv1d(x, weight, bias, states, **index), states))
     return results
 
 
@@ -214,9 +215,10 @@ def test_row_kernel_empty_sequences_keep_or_clear_their_windows(width, monkeypat
 
 
 def test_rejects_tokens_without_sequences():
+    OPS.require("input_errors")
     x = torch.zeros(3, channels(1), device=DEVICE)
     with pytest.raises(ValueError, match="3 tokens but cu_seqlens names no sequence"):
-        causal_conv1d(x, torch.zeros(channels(1), W, device=DEVICE), None,
+        OPS.causal_conv1d(x, torch.zeros(channels(1), W, device=DEVICE), None,
                       torch.zeros(N_SLOTS, channels(1), W - 1, device=DEVICE),
                       torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(0, dtype=torch.int32, device=DEVICE),
                       torch.zeros(0, dtype=torch.bool, device=DEVICE))
@@ -270,7 +272,8 @@ def _valid_args():
 ], ids=["weight_channels", "bias_shape", "state_width", "cu_seqlens_end", "cu_seqlens_length", "duplicate_slots",
         "slot_out_of_range", "x_float64", "float_indices"])
 def test_rejects_bad_input(name, bad, message):
-    assert_rejected(causal_conv1d, _valid_args(), name, bad, message)
+    OPS.require("input_errors")
+    assert_rejected(OPS.causal_conv1d, _valid_args(), name, bad, message)
 
 
 @pytest.mark.parametrize("check_indices", [True, False], ids=["checked", "unchecked"])
@@ -278,6 +281,7 @@ def test_slot_past_the_pool_is_not_touched(check_indices):
     # The index values are checked after the kernels are queued (or not at all, for a caller that vouches for them),
     # so the kernels themselves must keep a bad slot from reaching memory: here the row past the pool's end, where
     # a missing bound would read and write.
+    OPS.require("index_checks" if check_indices else "slot_bounds")
     c = channels(1)
     backing = torch.randn(5, c, W - 1, device=DEVICE)                 # pool = rows 0..3, row 4 just past its end
     before = backing.clone()
@@ -286,16 +290,17 @@ def test_slot_past_the_pool_is_not_touched(check_indices):
                 has_initial_state=torch.tensor([True, True], device=DEVICE), check_indices=check_indices)
     if check_indices:
         with pytest.raises(ValueError, match=r"state_indices: expected distinct slots in \[0, 4\)"):
-            causal_conv1d(**args)
+            OPS.causal_conv1d(**args)
     else:
-        causal_conv1d(**args)
+        OPS.causal_conv1d(**args)
     assert torch.equal(backing[4], before[4]), "conv_states: the row past the pool was written"
     assert torch.equal(backing[[0, 2, 3]], before[[0, 2, 3]]), "conv_states: a slot not named was written"
 
 
 def test_rejects_unknown_activation():
+    OPS.require("input_errors")
     with pytest.raises(ValueError, match="activation: expected 'silu', 'swish' or None, got 'relu'"):
-        causal_conv1d(**_valid_args(), activation="relu")
+        OPS.causal_conv1d(**_valid_args(), activation="relu")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -339,7 +344,7 @@ def test_long_prefill_past_int32_offsets():
     pool = poison_slots(torch.randn(4, c, W - 1, generator=gen, device=DEVICE).to(dtype), keep=[2, 0])
     pool_before, pool_kernel = pool.clone(), pool.clone()
     cu = [0, 5, 269_995, 270_000]
-    out = causal_conv1d(x, weight, bias, pool_kernel, torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+    out = OPS.causal_conv1d(x, weight, bias, pool_kernel, torch.tensor(cu, dtype=torch.int32, device=DEVICE),
                         torch.tensor(slots, dtype=torch.int32, device=DEVICE),
                         torch.tensor(has_initial, device=DEVICE))
     for b, slot in enumerate(slots):

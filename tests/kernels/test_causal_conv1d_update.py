@@ -10,7 +10,7 @@ from reference.ops import causal_conv1d_update_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
 from tests.kernels.test_causal_conv1d import (BAMBA_CHANNELS, assert_rejected, channels, conv_inputs, kernel_pool,
                                               to_device)
-from vendored.ops.causal_conv1d import causal_conv1d_update
+from tests.kernels.providers import OPS
 
 K = 2.0
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
@@ -36,7 +36,7 @@ def run_and_check(slots: list[int], *, n_channels: int = channels(1), width: int
     pool_before = to_device(pool, dtype)
     pool_kernel = kernel_pool(pool_before, transposed=strided)
     pool_low, pool64 = pool_before.clone(), pool_before.double()
-    out = causal_conv1d_update(x_low, pool_kernel, weight_low, bias_low, state_indices, activation=activation,
+    out = OPS.causal_conv1d_update(x_low, pool_kernel, weight_low, bias_low, state_indices, activation=activation,
                                pad_slot_id=pad_slot_id)
     ref_low = causal_conv1d_update_ref(x_low, pool_low, weight_low, bias_low, state_indices, activation=activation,
                                        pad_slot_id=pad_slot_id)
@@ -105,7 +105,8 @@ def _valid_args():
     ("conv_states", torch.zeros(4, channels(1), W - 1, dtype=torch.int32), "conv_states: expected dtype in"),
 ], ids=["x_rank", "state_channels", "indices_length", "pool_int"])
 def test_rejects_bad_input(name, bad, message):
-    assert_rejected(causal_conv1d_update, _valid_args(), name, bad, message)
+    OPS.require("input_errors")
+    assert_rejected(OPS.causal_conv1d_update, _valid_args(), name, bad, message)
 
 
 @gpu
@@ -121,12 +122,13 @@ def test_bamba_shapes(dtype, batch):
 
 @pytest.mark.parametrize("bad_slot", [N_SLOTS, -2], ids=["past_the_pool", "negative"])
 def test_slot_outside_the_pool_touches_nothing_and_outputs_nan(bad_slot):
+    OPS.require("slot_bounds")
     # No host check in a captured decode step: the kernel itself keeps a bad slot from memory (here the row just past
     # the pool's end, where a missing bound would read and write) and makes its row NaN, where padding gives 0.
     c = channels(1)
     backing = torch.randn(N_SLOTS + 1, c, W - 1, device=DEVICE)       # pool = rows 0..9, row 10 just past its end
     before = backing.clone()
-    out = causal_conv1d_update(torch.randn(3, c, device=DEVICE), backing[:N_SLOTS], torch.randn(c, W, device=DEVICE),
+    out = OPS.causal_conv1d_update(torch.randn(3, c, device=DEVICE), backing[:N_SLOTS], torch.randn(c, W, device=DEVICE),
                                torch.randn(c, device=DEVICE),
                                torch.tensor([2, bad_slot, PAD], dtype=torch.int32, device=DEVICE), pad_slot_id=PAD)
     assert torch.isnan(out[1]).all(), "out: the row with a slot outside the pool is not NaN"

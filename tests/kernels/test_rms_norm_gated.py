@@ -8,7 +8,7 @@ import torch
 
 from reference.ops import rms_norm_gated_ref
 from tests.kernels.common import DEVICE, assert_three_way, gpu, needs_gpu
-from vendored.ops.rms_norm_gated import rms_norm_gated
+from tests.kernels.providers import OPS
 
 K = 2.0
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
@@ -34,7 +34,7 @@ def run_and_check(shape: tuple[int, ...], group_size: int, *, with_gate: bool = 
     x_low, weight_low = x.to(DEVICE, dtype), weight.to(DEVICE, dtype)
     gate_low = None if gate is None else gate.to(DEVICE, dtype)
     options = dict(eps=EPS, group_size=group_size, norm_before_gate=norm_before_gate)
-    out = rms_norm_gated(x_low, gate_low, weight_low, **options)
+    out = OPS.rms_norm_gated(x_low, gate_low, weight_low, **options)
     ref_low = rms_norm_gated_ref(x_low, gate_low, weight_low, **options)
     ref64 = rms_norm_gated_ref(x_low.double(), None if gate_low is None else gate_low.double(), weight_low.double(),
                                **options)
@@ -62,21 +62,24 @@ def test_leading_dims_and_strided_views():
 
 
 def test_rejects_group_size_not_dividing_width():
+    OPS.require("input_errors")
     x = torch.zeros(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="group_size: expected a positive divisor of the width 64, got 24"):
-        rms_norm_gated(x, None, torch.ones(64, device=DEVICE), eps=EPS, group_size=24)
+        OPS.rms_norm_gated(x, None, torch.ones(64, device=DEVICE), eps=EPS, group_size=24)
 
 
 def test_rejects_gate_of_another_shape():
+    OPS.require("input_errors")
     x = torch.zeros(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match=r"gate.shape: expected \(2, 64\), got \(2, 32\)"):
-        rms_norm_gated(x, torch.zeros(2, 32, device=DEVICE), torch.ones(64, device=DEVICE), eps=EPS, group_size=32)
+        OPS.rms_norm_gated(x, torch.zeros(2, 32, device=DEVICE), torch.ones(64, device=DEVICE), eps=EPS, group_size=32)
 
 
 def test_rejects_weight_of_another_width():
+    OPS.require("input_errors")
     x = torch.zeros(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match=r"weight.shape: expected \(64,\), got \(32,\)"):
-        rms_norm_gated(x, None, torch.ones(32, device=DEVICE), eps=EPS, group_size=32)
+        OPS.rms_norm_gated(x, None, torch.ones(32, device=DEVICE), eps=EPS, group_size=32)
 
 
 @gpu

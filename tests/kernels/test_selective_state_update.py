@@ -16,7 +16,8 @@ import torch
 from reference.ops import discretize_dt, selective_state_update_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
 from tests.kernels.test_causal_conv1d import assert_rejected
-from vendored.ops.selective_state_update import SsuLaunch, selective_state_update
+from tests.kernels.providers import OPS
+from vendored.ops.selective_state_update import SsuLaunch
 
 ssu_module = importlib.import_module("vendored.ops.selective_state_update")
 LAUNCHES = {"own-launch": None, "tile-kernel": SsuLaunch(1, 1, 8, 1),
@@ -27,6 +28,7 @@ LAUNCHES = {"own-launch": None, "tile-kernel": SsuLaunch(1, 1, 8, 1),
 def launch_form(request, monkeypatch):
     """The launch every test of this module runs with (the module docstring says which)."""
     if LAUNCHES[request.param] is not None:
+        OPS.internal("our decode kernel's launch forms")
         monkeypatch.setattr(ssu_module, "_block_sizes", lambda *args: LAUNCHES[request.param])
     return request.param
 
@@ -74,7 +76,7 @@ def run_and_check(slots: list[int], inputs: dict, *, drop: tuple[str, ...] = (),
                   dt_bias=args["dt_bias"], z=args["z"], state_indices=state_indices, pad_slot_id=pad_slot_id,
                   **options)
 
-    y = call(selective_state_update, pool_kernel, low)
+    y = call(OPS.selective_state_update, pool_kernel, low)
     y_low = call(selective_state_update_ref, pool_low, low)
     y64 = call(selective_state_update_ref, pool64, wide)
     assert y.dtype == y_low.dtype, f"y.dtype: expected {y_low.dtype}, got {y.dtype}"
@@ -169,7 +171,7 @@ def test_strided_views_of_one_projection():
                   state_indices=state_indices)
     args = [views[n].to(DEVICE) for n in ("x", "dt")] + [inputs["A"].to(DEVICE)] + \
         [views[n].to(DEVICE) for n in ("B", "C")]
-    y = selective_state_update(pool_kernel, *args, **common)
+    y = OPS.selective_state_update(pool_kernel, *args, **common)
     pool_low = pool_before.clone()
     y_low = selective_state_update_ref(pool_low, *args, **common)
     pool64 = pool_before.double()
@@ -182,6 +184,7 @@ def test_strided_views_of_one_projection():
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_out_takes_the_returned_y_rounded_once(out_dtype):
+    OPS.require("out_any_dtype")
     # y written into a strided view of a wider 16-bit buffer (the mixer's (T, H, P) output, decode rows first) holds
     # the bits of the returned fp32 y rounded by .to(): the same pool update, one rounding, nothing else written.
     inputs = {n: t.to(DEVICE) for n, t in make_inputs(len(LIVE_AND_PAD), n_groups=2, seed=11).items()}
@@ -189,11 +192,11 @@ def test_out_takes_the_returned_y_rounded_once(out_dtype):
     args = [inputs[n] for n in ("x", "dt", "A", "B", "C")]
     common = dict(D=inputs["D"], dt_bias=inputs["dt_bias"], z=inputs["z"], state_indices=slots, pad_slot_id=PAD)
     pool_plain, pool_out = inputs["pool"].clone(), inputs["pool"].clone()
-    y = selective_state_update(pool_plain, *args, **common)
+    y = OPS.selective_state_update(pool_plain, *args, **common)
     buffer = torch.full((len(LIVE_AND_PAD) + 3, H, P + 5), 7.0, dtype=out_dtype, device=DEVICE)
     view = buffer[:len(LIVE_AND_PAD), :, 2:2 + P]
     assert not view.is_contiguous()
-    returned = selective_state_update(pool_out, *args, **common, out=view)
+    returned = OPS.selective_state_update(pool_out, *args, **common, out=view)
     assert returned.data_ptr() == view.data_ptr()
     assert torch.equal(view, y.to(out_dtype))
     assert torch.equal(pool_out, pool_plain)
@@ -207,8 +210,9 @@ def test_out_takes_the_returned_y_rounded_once(out_dtype):
     (torch.zeros(3, H, P, dtype=torch.int32), "out: expected dtype in"),
 ], ids=["shape", "int_dtype"])
 def test_rejects_bad_out(bad, message):
+    OPS.require("input_errors")
     with pytest.raises((ValueError, TypeError)) as info:
-        selective_state_update(**_valid_args(), out=bad.to(DEVICE))
+        OPS.selective_state_update(**_valid_args(), out=bad.to(DEVICE))
     assert message in str(info.value)
 
 
@@ -232,12 +236,14 @@ def _valid_args():
     ("state_indices", torch.tensor([1.0, 2.0, 3.0]), "state_indices: expected dtype torch.int32 or torch.int64"),
 ], ids=["state_head_dim", "groups_not_dividing", "C_d_state", "dt_heads", "z_float64", "float_indices"])
 def test_rejects_bad_input(name, bad, message):
-    assert_rejected(selective_state_update, _valid_args(), name, bad, message)
+    OPS.require("input_errors")
+    assert_rejected(OPS.selective_state_update, _valid_args(), name, bad, message)
 
 
 def test_rejects_inverted_dt_limit():
+    OPS.require("input_errors")
     with pytest.raises(ValueError, match=r"dt_limit: expected \(low, high\) with low <= high, got \(1.0, 0.5\)"):
-        selective_state_update(**_valid_args(), dt_limit=(1.0, 0.5))
+        OPS.selective_state_update(**_valid_args(), dt_limit=(1.0, 0.5))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,7 +285,7 @@ def test_row_offsets_past_int32():
     pool_before = poison_slots(inputs["pool"], keep=live).to(DEVICE)
     pool_kernel, pool_low, pool64 = pool_before.clone(), pool_before.clone(), pool_before.double()
     common = dict(state_indices=torch.tensor(slots, dtype=torch.int32, device=DEVICE), pad_slot_id=PAD)
-    selective_state_update(pool_kernel, x_view, low["dt"], low["A"], low["B"], low["C"], D=low["D"],
+    OPS.selective_state_update(pool_kernel, x_view, low["dt"], low["A"], low["B"], low["C"], D=low["D"],
                            dt_bias=low["dt_bias"], z=low["z"], out=y_view, **common)
     y_low = selective_state_update_ref(pool_low, low["x"], low["dt"], low["A"], low["B"], low["C"], D=low["D"],
                                        dt_bias=low["dt_bias"], z=low["z"], **common)
@@ -294,12 +300,13 @@ def test_row_offsets_past_int32():
 
 @pytest.mark.parametrize("bad_slot", [N_SLOTS, -2], ids=["past_the_pool", "negative"])
 def test_slot_outside_the_pool_touches_nothing_and_outputs_nan(bad_slot):
+    OPS.require("slot_bounds")
     # No host check in a captured decode step: the kernel itself keeps a bad slot from memory (here the row just past
     # the pool's end, where a missing bound would read and write) and makes its row NaN, where padding gives 0.
     inputs = {name: t.to(DEVICE) for name, t in make_inputs(3).items()}
     backing = torch.cat([inputs["pool"], torch.randn_like(inputs["pool"][:1])])   # pool = rows 0..9, row 10 past it
     before = backing.clone()
-    y = selective_state_update(backing[:N_SLOTS], inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
+    y = OPS.selective_state_update(backing[:N_SLOTS], inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
                                D=inputs["D"], dt_bias=inputs["dt_bias"], z=inputs["z"],
                                state_indices=torch.tensor([2, bad_slot, PAD], dtype=torch.int32, device=DEVICE),
                                pad_slot_id=PAD)
@@ -335,12 +342,13 @@ def _launch_on_meta(monkeypatch, launch: SsuLaunch, n_rows: int, n_heads: int, x
     p, n, meta = 64, 128, dict(device="meta")
     x = torch.empty_strided((n_rows, n_heads, p), (x_row_stride or n_heads * p, p, 1), **meta)
     bc = torch.empty(n_rows, 1, n, **meta)
-    selective_state_update(torch.empty(n_rows, n_heads, p, n, **meta), x, torch.empty(n_rows, n_heads, **meta),
+    OPS.selective_state_update(torch.empty(n_rows, n_heads, p, n, **meta), x, torch.empty(n_rows, n_heads, **meta),
                            torch.empty(n_heads, **meta), bc, bc, D=None, dt_bias=None, z=None,
                            state_indices=torch.empty(n_rows, dtype=torch.int32, **meta))
     return recorded.grid, recorded.constexprs
 
 
+@pytest.mark.vendored_only("our decode kernel's launch grid")
 def test_tile_grid_orders_rows_inside_heads_on_request(monkeypatch):
     grid, constexprs = _launch_on_meta(monkeypatch, SsuLaunch(1, 1, 4, 1, rows_inner=True, y_first=True), 8, 128)
     assert grid == (16, 8, 128) and constexprs["ROWS_INNER"] and constexprs["Y_FIRST"]
@@ -348,6 +356,7 @@ def test_tile_grid_orders_rows_inside_heads_on_request(monkeypatch):
     assert grid == (16 * 128 * 8,) and not constexprs["ROWS_INNER"] and not constexprs["Y_FIRST"]
 
 
+@pytest.mark.vendored_only("our decode kernel's launch grid")
 def test_tile_row_index_widens_when_a_row_offset_reaches_2_31(monkeypatch):
     # rows inside heads keeps the row index 32-bit; an offset of 2^31 or more must make it 64-bit, or it wraps
     launch = SsuLaunch(1, 1, 4, 1, rows_inner=True)
@@ -357,11 +366,13 @@ def test_tile_row_index_widens_when_a_row_offset_reaches_2_31(monkeypatch):
     assert _launch_on_meta(monkeypatch, launch, 3, 2, x_row_stride=2**30 - 63)[1]["WIDE_ROWS"]        # 2^31 + 1
 
 
+@pytest.mark.vendored_only("our decode kernel's launch grid")
 def test_tile_rows_inside_heads_refuses_a_grid_past_cuda_limits(monkeypatch):
     with pytest.raises(ValueError, match="rows_inner: a grid of 65536 rows × 1 heads exceeds the 65535"):
         _launch_on_meta(monkeypatch, SsuLaunch(1, 1, 4, 1, rows_inner=True), 65536, 1)
 
 
+@pytest.mark.vendored_only("our decode kernel's launch grid")
 def test_batched_kernel_refuses_the_tile_kernels_choices(monkeypatch):
     with pytest.raises(ValueError, match="rows_inner and y_first are the tile kernel's"):
         _launch_on_meta(monkeypatch, SsuLaunch(2, 1, 4, 1, y_first=True), 3, 2)

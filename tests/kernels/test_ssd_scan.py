@@ -24,7 +24,8 @@ import triton.language as tl
 
 from reference.ops import discretize_dt, group_of_head, ssd_scan_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
-from vendored.ops.ssd_scan import _bf16x3, ssd_scan
+from tests.kernels.providers import OPS
+from vendored.ops.ssd_scan import _bf16x3
 
 K = 2.0
 # atol: the floor of the bound where ref_low happens to land on ref64. The kernel sums in another order than the
@@ -134,10 +135,11 @@ def rounding_allowance(args, kwargs, pool: torch.Tensor, twin) -> tuple[torch.Te
 def check_call(case: Case, args, kwargs, pool: torch.Tensor, twin=ssd_scan_ref, products: str = "fp32") -> None:
     """Run the kernel on NaN-poisoned state slots; check y, every final state and every slot not named."""
     dtype, state_dtype = args[0].dtype, pool.dtype
+    products = OPS.scan_products or products          # a peer is judged by the precision class it has
     slots = slots_of(len(case.lengths))
     poisoned = poison_slots(pool, keep=[s for s, init in zip(slots, initial_of(case)) if init])
     states = poisoned.clone()
-    y = ssd_scan(*args, ssm_states=states, products=products, **kwargs)
+    y = OPS.ssd_scan(*args, ssm_states=states, products=products, **kwargs)
     y64, states64 = run_twin(twin, args, kwargs, poisoned, torch.float64)
     y_low, states_low = run_twin(twin, args, kwargs, poisoned, None)
     y_extra = states_extra = None
@@ -203,6 +205,7 @@ LAUNCH_VARIANTS = {
 }
 
 
+@pytest.mark.vendored_only("our scan's launch structures")
 @pytest.mark.parametrize("variant", list(LAUNCH_VARIANTS))
 def test_launch_variants(variant, monkeypatch):
     """Chunks of 72 (two row tiles of 64 under the interpreter), head_dim 80 (two head-dim tiles, the second mostly
@@ -222,6 +225,7 @@ def test_launch_variants(variant, monkeypatch):
     check_against_twin(Case(lengths=(70, 5, 150), initial="mixed", head_dim=80, d_state=32, chunk_size=72))
 
 
+@pytest.mark.vendored_only("our scan's launch structures")
 def test_stage_4_column_step_must_divide_its_rows(monkeypatch):
     import importlib
     module = importlib.import_module("vendored.ops.ssd_scan")
@@ -249,6 +253,7 @@ ROUNDED_CASES = {
 @pytest.mark.parametrize("case", list(ROUNDED_CASES))
 def test_rounded_products(case, dtype, state_dtype, launch, monkeypatch):
     if launch == "gpu-tile-kernels":
+        OPS.internal("our scan's launch structures")
         import importlib
         module = importlib.import_module("vendored.ops.ssd_scan")
         chosen = module._block_sizes
@@ -261,27 +266,30 @@ def test_rounded_products_do_round(dtype):
     """The mode is what it says: with 16-bit inputs its y differs from the fp32 mode's (so the tests above hold the
     rounded path to its allowance, not the fp32 path to a looser bound), and its final states too; with an fp32 x
     the two modes are the same computation, bit for bit."""
+    OPS.require("products_switch")
     case = ROUNDED_CASES["two-long"]
     (x, *rest), kwargs, pool = make_inputs(case, dtype, torch.float32)
     outputs = {}
     for products in ("fp32", "rounded"):
         states = pool.clone()
-        outputs[products] = ssd_scan(x, *rest, ssm_states=states, products=products, **kwargs), states
+        outputs[products] = OPS.ssd_scan(x, *rest, ssm_states=states, products=products, **kwargs), states
     assert not torch.equal(outputs["fp32"][0], outputs["rounded"][0])
     assert not torch.equal(outputs["fp32"][1], outputs["rounded"][1])
     (x32, *rest32), kwargs32, pool32 = make_inputs(case, torch.float32, torch.float32)
-    y_exact = ssd_scan(x32, *rest32, ssm_states=pool32.clone(), **kwargs32)
-    y_rounded = ssd_scan(x32, *rest32, ssm_states=pool32.clone(), products="rounded", **kwargs32)
+    y_exact = OPS.ssd_scan(x32, *rest32, ssm_states=pool32.clone(), **kwargs32)
+    y_rounded = OPS.ssd_scan(x32, *rest32, ssm_states=pool32.clone(), products="rounded", **kwargs32)
     assert torch.equal(y_exact, y_rounded)
 
 
 def test_rejects_an_unknown_precision_mode():
+    OPS.require("products_switch")
     case = Case(lengths=(5,))
     args, kwargs, pool = make_inputs(case, torch.float32, torch.float32)
     with pytest.raises(ValueError, match=r"products: expected 'fp32' or 'rounded', got 'bf16'"):
-        ssd_scan(*args, ssm_states=pool, products="bf16", **kwargs)
+        OPS.ssd_scan(*args, ssm_states=pool, products="bf16", **kwargs)
 
 
+@pytest.mark.vendored_only("our scan's launch structures")
 def test_stage_4_rows_may_not_exceed_the_cb_tiles(monkeypatch):
     import importlib
     module = importlib.import_module("vendored.ops.ssd_scan")
@@ -359,16 +367,17 @@ def test_strided_inputs_from_one_projection():
     x_v, dt_v, B_v, C_v, z_v = projection_views(x, dt, B, C, kwargs["z"])
     assert not x_v.is_contiguous()
     states_strided, states = pool.clone(), pool.clone()
-    y_strided = ssd_scan(x_v, dt_v, A, B_v, C_v, ssm_states=states_strided, **{**kwargs, "z": z_v})
-    y = ssd_scan(x, dt, A, B, C, ssm_states=states, **kwargs)
+    y_strided = OPS.ssd_scan(x_v, dt_v, A, B_v, C_v, ssm_states=states_strided, **{**kwargs, "z": z_v})
+    y = OPS.ssd_scan(x, dt, A, B, C, ssm_states=states, **kwargs)
     assert torch.equal(y_strided, y)
     assert torch.equal(states_strided, states)
 
 
 def test_rejects_groups_that_do_not_divide_heads():
+    OPS.require("input_errors")
     args, kwargs, pool = make_inputs(Case(lengths=(4,), n_groups=3, n_heads=4), torch.float32, torch.float32)
     with pytest.raises(ValueError, match="G = 3"):
-        ssd_scan(*args, ssm_states=pool, **kwargs)
+        OPS.ssd_scan(*args, ssm_states=pool, **kwargs)
 
 
 def _i32(*values):
@@ -382,24 +391,26 @@ def _i32(*values):
     ("state_indices", (-1, 3), r"state_indices: expected distinct slots in \[0, 5\)"),
 ], ids=["cu_seqlens_decreasing", "cu_seqlens_short_of_T", "duplicate_slots", "negative_slot"])
 def test_rejects_bad_index_values(name, bad, message):
+    OPS.require("index_checks")
     args, kwargs, pool = make_inputs(Case(lengths=(4, 5)), torch.float32, torch.float32)
     with pytest.raises(ValueError, match=message):
-        ssd_scan(*args, ssm_states=pool, **{**kwargs, name: _i32(*bad)})
+        OPS.ssd_scan(*args, ssm_states=pool, **{**kwargs, name: _i32(*bad)})
 
 
 @pytest.mark.parametrize("check_indices", [True, False], ids=["checked", "unchecked"])
 def test_slot_past_the_pool_is_never_touched(check_indices):
     # The values are checked after the kernels are queued (or not at all, for a caller that vouches for them), so the
     # kernels must keep a slot outside the pool from reaching memory: here the row just past the pool's end.
+    OPS.require("index_checks" if check_indices else "slot_bounds")
     args, kwargs, pool = make_inputs(Case(lengths=(4, 5), initial="all"), torch.float32, torch.float32)
     backing = torch.cat([pool, torch.randn_like(pool[:1])])          # pool = rows 0..4, row 5 just past its end
     before = backing.clone()
     call = dict(kwargs, state_indices=_i32(5, 1), check_indices=check_indices)
     if check_indices:
         with pytest.raises(ValueError, match=r"state_indices: expected distinct slots in \[0, 5\), got \[5, 1\]"):
-            ssd_scan(*args, ssm_states=backing[:5], **call)
+            OPS.ssd_scan(*args, ssm_states=backing[:5], **call)
     else:
-        ssd_scan(*args, ssm_states=backing[:5], **call)
+        OPS.ssd_scan(*args, ssm_states=backing[:5], **call)
     assert torch.equal(backing[5], before[5]), "ssm_states: the row past the pool was read into or written"
     assert torch.equal(backing[[0, 2, 3, 4]], before[[0, 2, 3, 4]]), "ssm_states: a slot not named was written"
     assert not torch.equal(backing[1], before[1]), "ssm_states: the named slot in the pool was not written"
@@ -529,6 +540,7 @@ def logical_chunks_torch(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: in
     ((5,), 16), ((16,), 16), ((17, 0, 33), 16), ((0, 0), 16), ((1,) * 70, 16), ((3, 100, 0, 256, 257), 256),
     (tuple(range(130)), 16),
 ])
+@pytest.mark.vendored_only("our scan's chunk table (stage 0)")
 def test_logical_chunks_match_their_definition(lengths, chunk_size):
     """Stage 0 (one kernel) against the definition, every slot: empty sequences own no chunk, more sequences than one
     block of the kernel (70 and 130) carry the running count across blocks."""
@@ -551,6 +563,7 @@ def _split_kernel(v_ptr, bits_ptr, N: tl.constexpr):
     tl.store(bits_ptr + 2 * N + offs, lo.to(tl.int16, bitcast=True))
 
 
+@pytest.mark.vendored_only("our scan's bf16x3 split")
 def test_bf16x3_pieces_sum_exactly_to_the_fp32_input():
     """The split behind every tensor-core product of an fp32 operand (GPU only, so checked here on its own): the
     three bf16 pieces of v sum to v exactly, across exponents, signs, zero and the largest float; a subnormal v to

@@ -15,8 +15,7 @@ import torch
 
 from reference.ops import causal_conv1d_ref, causal_conv1d_update_ref, selective_state_update_ref, ssd_scan_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, poison_slots
-from vendored.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
-from vendored.ops.selective_state_update import selective_state_update
+from tests.kernels.providers import OPS
 
 K = 2.0
 ATOL = 1e-5                             # fp32 (the interpreter); the GPU runs these too, still in fp32
@@ -43,13 +42,7 @@ TWINS = Ops(causal_conv1d_ref, causal_conv1d_update_ref, ssd_scan_ref, selective
 
 
 def kernel_ops() -> Ops:
-    try:
-        from vendored.ops.ssd_scan import ssd_scan
-    except ModuleNotFoundError as err:
-        if err.name != "vendored.ops.ssd_scan":
-            raise
-        pytest.skip("vendored/ops/ssd_scan.py does not exist yet: the prefill side needs its ssd_scan")
-    return Ops(causal_conv1d, causal_conv1d_update, ssd_scan, selective_state_update)
+    return Ops(OPS.causal_conv1d, OPS.causal_conv1d_update, OPS.ssd_scan, OPS.selective_state_update)
 
 
 class Run(NamedTuple):
