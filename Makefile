@@ -24,7 +24,9 @@ help:
 	@echo "make test-scale the real-width (Bamba-9B-shaped) models on a CUDA machine, fp32 and bf16"
 	@echo "make mutants-scale  engine mutants judged end to end at real width (CUDA); false-failure rate"
 	@echo "make bench-kernels  our kernels vs vLLM's and mamba_ssm's on a CUDA machine (table, JSON, PNG in out/bench-kernels)"
-	@echo "make fetch-peers  vLLM's, mamba_ssm's and fla-core's Triton ops (pinned, PyPI) into .peers for bench-kernels"
+	@echo "make fetch-peers  vLLM's (3 releases), mamba_ssm's and fla-core's Triton ops (pinned, PyPI) into .peers"
+	@echo "make test-peers  tests/kernels against the peers' ops (--ops, CPU), then the peer mutants (mutants-peers)"
+	@echo "make kernel-conformance  tests/kernels under every op provider: the table of docs/kernel-conformance.md"
 	@echo "make bench-decode  decode tokens/s with and without CUDA graphs (GPU: python3 there; out/bench)"
 	@echo "make mutants   plant every CPU mutant (mutants/defs) in a scratch copy; its tests must catch it"
 	@echo "make mutants-gpu  the GPU-only mutants, on a CUDA machine with the python3 that is there"
@@ -80,6 +82,32 @@ PEERS ?= .peers
 BENCH_OUT ?= out/bench-kernels
 bench-kernels:
 	$(GPU_PY) -m bench.kernels --peers $(PEERS) --out $(BENCH_OUT)
+
+# tests/kernels against every op provider (ours, vLLM 0.33.0, 0.10.2, 0.7.3, mamba_ssm, fla), one pytest process
+# each (`pytest tests/kernels --ops NAME` runs one): the table in out/kernel-conformance and docs/kernel-conformance.md.
+# CPU: the Triton interpreter, ~8 min on 2 cores. On the GPU image (no venv), with .peers carried along:
+# `BAMBA_PEERS=.peers python3 -m tests.kernels.conformance --gpu --jobs 8` adds the Bamba-9B-shape tests.
+.PHONY: kernel-conformance
+kernel-conformance: $(STAMP)
+	test -f $(PEERS)/peer_loader.py || $(MAKE) fetch-peers
+	BAMBA_PEERS=$(abspath $(PEERS)) $(PY) -m tests.kernels.conformance --jobs $(XDIST) --out out/kernel-conformance
+
+# tests/kernels under each peer on the CPU (interpreter): every finding of docs/kernel-conformance.md is a strict
+# xfail there, so a release that changed underneath fails loudly; then the peer mutants (mutants/defs/vllm-*), edits
+# to the peers' vendored copy that the same tests must kill. ~6 min on 2 cores.
+PEER_OPS ?= vllm vllm-0.10.2 vllm-0.7.3 mamba_ssm
+.PHONY: test-peers mutants-peers
+test-peers: $(STAMP)
+	test -f $(PEERS)/peer_loader.py || $(MAKE) fetch-peers
+	@status=0; for ops in $(PEER_OPS); do echo "== --ops $$ops"; \
+		BAMBA_PEERS=$(abspath $(PEERS)) $(PY) -m pytest -q -p no:cacheprovider -n $(XDIST) -m "not gpu and not slow" \
+			tests/kernels --ops $$ops || status=1; \
+	done; exit $$status
+	$(MAKE) mutants-peers
+
+mutants-peers: $(STAMP)
+	test -f $(PEERS)/peer_loader.py || $(MAKE) fetch-peers
+	$(PY) -m mutants.run --ops vllm --jobs $(XDIST) --out out/mutants-peers
 
 # The peers, from pinned PyPI releases (sha256-checked) into the git-ignored $(PEERS), on a machine with pip access;
 # carry $(PEERS) to the GPU. Needs .venv's torch: pip runs mamba-ssm's setup.py to read its sdist (docs/kernels.md).

@@ -1,0 +1,43 @@
+"""Reproduce a finding against the peers' kernels (tests/kernels/peer_findings.py) by running the tests it pins, not
+as expected failures: exit status 1 while the finding holds. `make fetch-peers` first.
+
+    .venv/bin/python findings/vllm_kernels.py KEY          # e.g. vllm-0.7.3-16bit-chunk-states
+    .venv/bin/python findings/vllm_kernels.py --list
+"""
+
+import fnmatch
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, str(ROOT))
+    from tests.kernels.peer_findings import FINDINGS
+    by_key = {f.key: f for f in FINDINGS}
+    if not argv or argv[0] == "--list" or argv[0] not in by_key:
+        for f in FINDINGS:
+            print(f"{f.key}: {', '.join(f.providers)}: {f.number}")
+        return 0 if argv[:1] == ["--list"] else 2
+    finding = by_key[argv[0]]
+    held = False
+    for provider in finding.providers:
+        ids = [p.replace("[[]", "[").replace("[]]", "]") for p in finding.tests]
+        selection = " or ".join(i.split("::")[1].split("[")[0] for i in ids)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--runxfail",
+                               "tests/kernels/test_ssd_scan.py", "--ops", provider, "-k", selection],
+                              cwd=ROOT, capture_output=True, text=True)
+        failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")
+                  and any(fnmatch.fnmatchcase(line.split()[1], p) for p in finding.tests)]
+        print(f"{provider}: {len(failed)} of the pinned tests fail")
+        for line in failed:
+            print("  " + line[:220])
+        held |= bool(failed)
+    print(f"{finding.key}: {finding.number}; {finding.cause}")
+    return 1 if held else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""The op-provider switch itself (tests/kernels/providers.py, ops_plugin.py, peer_findings.py, conformance.py): the
+peers' chunk metadata by its definition, findings that pin real tests, a boundary class for every test a peer runs,
+the table's cells, and the errors a user gets for a bad --ops or missing peers."""
+
+from __future__ import annotations
+
+import fnmatch
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kernels import conformance, ops_plugin, providers
+from tests.kernels.peer_findings import FINDINGS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_chunk_indices_offsets_cut_at_every_chunk_and_sequence_start():
+    # sequences of 5, 20, 9, 30, 7 tokens, Q = 16: cuts at 0, 5, 16, 25, 32, 34, 48, 64
+    cu = torch.tensor([0, 5, 25, 34, 64, 71], dtype=torch.int32)
+    indices, offsets = providers.chunk_indices_offsets(cu, 16, 71)
+    assert indices.tolist() == [0, 0, 1, 1, 2, 2, 3, 4]
+    assert offsets.tolist() == [0, 5, 0, 9, 0, 2, 0, 0]
+    # starts on chunk edges add nothing; one sequence is the plain grid
+    assert providers.chunk_indices_offsets(torch.tensor([0, 16, 48]), 16, 48)[0].tolist() == [0, 1, 2]
+    assert providers.chunk_indices_offsets(torch.tensor([0, 40]), 16, 40)[1].tolist() == [0, 0, 0]
+
+
+def test_initial_states_select_slots_and_never_leak_unselected_nan():
+    pool = torch.full((4, 2, 3, 5), float("nan"))
+    pool[2] = 1.5
+    got = providers._initial_states(pool, torch.tensor([2, 0], dtype=torch.int32), torch.tensor([True, False]))
+    assert torch.equal(got[0], pool[2]) and torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def _collected_kernel_tests() -> list[str]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/kernels"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [line.strip() for line in proc.stdout.splitlines() if line.startswith("tests/kernels/")]
+
+
+@pytest.fixture(scope="module")
+def collected() -> list[str]:
+    return _collected_kernel_tests()
+
+
+def test_every_finding_pins_existing_tests_and_has_its_reproducer(collected):
+    assert FINDINGS, "the registry is empty"
+    for finding in FINDINGS:
+        assert set(finding.providers) <= set(providers.PEER_NAMES) - {"vendored"}, finding.key
+        for pattern in finding.tests:
+            assert any(fnmatch.fnmatchcase(node, pattern) for node in collected), \
+                f"{finding.key}: {pattern} matches no test: a finding that pins nothing"
+        script = finding.reproducer.split()[0]
+        assert (ROOT / script).is_file(), f"{finding.key}: no reproducer {script}"
+        if len(finding.reproducer.split()) > 1:
+            assert finding.reproducer.split()[1] == finding.key
+    assert len({f.key for f in FINDINGS}) == len(FINDINGS)
+
+
+def test_every_test_a_peer_runs_has_a_boundary_class(collected):
+    peer_tests = [n for n in collected if Path(n.split("::")[0]).stem in ops_plugin.PROVIDER_MODULES]
+    assert len(peer_tests) > 100
+    lumped = [n for n in peer_tests if conformance.boundary_class(n) == conformance.OTHER
+              and "test_rejects" not in n and "launch" not in n and "tile" not in n and "logical_chunks" not in n
+              and "bf16x3" not in n and "stage_4" not in n and "slot_" not in n and "chunked_torch_twin" not in n
+              and "rounded_products_do_round" not in n and "out_takes" not in n]
+    assert not lumped, f"tests a peer runs without a boundary class in tests/kernels/conformance.py: {lumped[:5]}"
+
+
+def test_table_cells_count_outcomes_and_name_the_worst_error(tmp_path):
+    rows = {"vendored": [dict(nodeid="tests/kernels/test_ssd_scan.py::test_groups[H6-G1]", outcome="passed",
+                              worst=0.25),
+                         dict(nodeid="tests/kernels/test_ssd_scan.py::test_groups[G4-equals-H]", outcome="failed",
+                              worst=3.0)],
+            "vllm": [dict(nodeid="tests/kernels/test_ssd_scan.py::test_groups[H6-G1]", outcome="xfail", worst=4e4),
+                     dict(nodeid="tests/kernels/test_ssd_scan.py::test_groups[G4-equals-H]", outcome="skipped",
+                          worst=None)]}
+    table = conformance.tabulate(rows)
+    cells = table["scan: groups, chunk sizes (8, 24, 128, 192)"]
+    assert conformance.cell_text(cells["vendored"]) == "**FAIL 1**, pass 1, 3×"
+    assert conformance.cell_text(cells["vllm"]) == "**finding 1**, skip 1, 4.0e+04×"
+    doc = tmp_path / "doc.md"
+    doc.write_text("head\n<!-- cpu-table -->\nold\n<!-- /cpu-table -->\ntail\n")
+    conformance.write_doc(doc, "new\n", "cpu-table")
+    assert doc.read_text() == "head\n<!-- cpu-table -->\nnew\n<!-- /cpu-table -->\ntail\n"
+
+
+@pytest.mark.parametrize("ops, message", [
+    ("vllm-9.9", "argument --ops: invalid choice: 'vllm-9.9'"),
+    ("vllm", "peer_loader.py is missing; fetch the peers first (`make fetch-peers`"),
+])
+def test_bad_ops_or_missing_peers_is_a_usage_error(ops, message, tmp_path):
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PEERS_VENDOR"}
+    env["BAMBA_PEERS"] = str(tmp_path)                                  # an empty folder: no peers there
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                           "tests/kernels/test_rms_norm_gated.py", "--ops", ops], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (2, 4), proc.stdout[-1000:]
+    assert message in proc.stdout + proc.stderr
