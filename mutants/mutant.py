@@ -10,6 +10,8 @@ fails loudly instead of planting something else. File format (TOML; ''' strings 
     gpu = false                                              # true: needs CUDA (make mutants-gpu)
     ci = false                                               # true: one of the fast subset run by .ci/run
     engine = "llamacpp"                                      # an opt-in engine its tests need (run with --engine)
+    ops = "vllm"                                             # a peer's kernels (tests/kernels --ops; run with --ops):
+                                                             # its edits are to the peer's vendored copy in .peers
 
     [[edit]]
     file = "vendored/ops/causal_conv1d.py"
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFS = Path(__file__).resolve().parent / "defs"
-_KEYS = {"class", "bug", "selection", "gpu", "ci", "engine", "edit"}
+_KEYS = {"class", "bug", "selection", "gpu", "ci", "engine", "ops", "edit"}
 _EDIT_KEYS = {"file", "anchor", "replacement"}
 
 
@@ -49,6 +51,7 @@ class Mutant:
     gpu: bool = False
     ci: bool = False
     engine: str | None = None   # an opt-in engine (Engine.opt_in) whose pytest cases the selection is: --engine
+    ops: str | None = None      # a peer whose vendored kernels (.peers) the edits and the selection (--ops) are for
 
     @classmethod
     def load(cls, path: Path) -> "Mutant":
@@ -71,7 +74,7 @@ class Mutant:
                 raise MutantError(f"{path.name}: edit {i}: the replacement equals the anchor (no mutation)")
             edits.append(Edit(e["file"], e["anchor"], e["replacement"]))
         return cls(path.stem, data["class"], data["bug"], tuple(data["selection"]), tuple(edits),
-                   bool(data.get("gpu", False)), bool(data.get("ci", False)), data.get("engine"))
+                   bool(data.get("gpu", False)), bool(data.get("ci", False)), data.get("engine"), data.get("ops"))
 
     def mutated_sources(self, root: Path) -> dict[str, str]:
         """The new text of every file the mutant edits, from the files under `root` (nothing is written).

@@ -1,6 +1,6 @@
 """Run the mutation suite: each mutant in its own scratch copy of the tree, its test selection with -x, a table.
 
-    python -m mutants.run [--gpu] [--ci] [--engine NAME] [--only NAME,...] [--jobs N] [--out DIR]
+    python -m mutants.run [--gpu] [--ci] [--engine NAME] [--ops PEER] [--only NAME,...] [--jobs N] [--out DIR]
 
 The working tree is never modified: the tree (minus .git, .venv, out/ and caches) is copied once per mutant into a
 temporary directory, the mutant's edits are written there, and pytest runs from there with that copy first on
@@ -10,6 +10,8 @@ hang), survived, broken (the selection could not even run: a collection error, n
 anchor not found exactly once). Exit status 0 only when every mutant is killed or timed out.
 Mutants of an opt-in engine's adapter (`engine = "llamacpp"` in the file) run only with --engine NAME, their
 selections with pytest's --engine NAME, against the engine's own virtualenv and caches in this tree.
+Mutants of a peer's kernels (`ops = "vllm"`) run only with --ops PEER: their edits go to the peer's vendored copy,
+which (.peers, `make fetch-peers`) is copied into their scratch trees, and their selections run with pytest's --ops.
 Writes report.json and table.md to --out.
 """
 
@@ -58,20 +60,25 @@ class Outcome:
     tests_run: int
 
 
-def copy_tree(src: Path, dst: Path) -> None:
-    """The tree as a clean clone has it (plus untracked sources), without the virtualenv, outputs and caches."""
+def copy_tree(src: Path, dst: Path, peers: bool = False) -> None:
+    """The tree as a clean clone has it (plus untracked sources), without the virtualenv, outputs and caches; with
+    the peers' vendored kernels (.peers) when `peers`."""
+    skip_top = SKIP_TOP - {".peers"} if peers else SKIP_TOP
+
     def ignore(directory: str, names: list[str]) -> set[str]:
         top = Path(directory).resolve() == src.resolve()
-        return {n for n in names if n in SKIP_ANY or n.endswith(".egg-info") or (top and n in SKIP_TOP)}
+        return {n for n in names if n in SKIP_ANY or n.endswith(".egg-info") or (top and n in skip_top)}
 
     shutil.copytree(src, dst, ignore=ignore, symlinks=True)
 
 
 def pytest_command(selection: list[str], junit: Path, *, gpu: bool, timeout: int, stop_first: bool,
-                   workers: int = 0, engine: str | None = None) -> list[str]:
+                   workers: int = 0, engine: str | None = None, ops: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit)]
     if engine:
         cmd += ["--engine", engine]
+    if ops:
+        cmd += ["--ops", ops]
     if not gpu:
         cmd += ["-m", "not gpu"]
     if stop_first:
@@ -90,6 +97,8 @@ def scratch_env(tree: Path, threads: int) -> dict[str, str]:
         if path is not None:
             env.setdefault(key, str(path))
     env.pop("PYTEST_XDIST_WORKER", None)
+    if (tree / ".peers").is_dir():                    # a peer mutant's tree: its own (mutated) copy of the peers
+        env.update(BAMBA_PEERS=str(tree / ".peers"), PEERS_VENDOR=str(tree / ".peers" / "vendor"))
     return env
 
 
@@ -115,14 +124,14 @@ def first_failure(junit: Path) -> tuple[str | None, str, int]:
 def run_mutant(mutant: Mutant, scratch: Path, *, gpu: bool, timeout: int, threads: int, keep: bool) -> Outcome:
     tree = scratch / mutant.name
     result = dict(name=mutant.name, bug_class=mutant.bug_class, bug=mutant.bug, selection=list(mutant.selection))
-    copy_tree(ROOT, tree)
+    copy_tree(ROOT, tree, peers=mutant.ops is not None)
     try:
         mutant.apply(tree)
     except MutantError as err:
         return Outcome(**result, outcome="unapplied", caught_by=None, message=str(err), seconds=0.0, tests_run=0)
     junit = scratch / f"{mutant.name}.xml"
     cmd = pytest_command(list(mutant.selection), junit, gpu=gpu, timeout=timeout, stop_first=True,
-                         engine=mutant.engine)
+                         engine=mutant.engine, ops=mutant.ops)
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=tree, env=scratch_env(tree, threads), capture_output=True, text=True,
@@ -157,7 +166,11 @@ def classify(returncode: int, node: str | None, message: str, tail: str) -> tupl
 def baseline(mutants: list[Mutant], scratch: Path, *, gpu: bool, timeout: int, jobs: int) -> None:
     """The union of the selections must pass on an unmutated copy, imported from that copy."""
     tree = scratch / "baseline"
-    copy_tree(ROOT, tree)
+    peer_ops = {m.ops for m in mutants}
+    if len(peer_ops) > 1:
+        sys.exit(f"mutants: one run takes the mutants of one op provider, got {sorted(map(str, peer_ops))}")
+    ops = peer_ops.pop()
+    copy_tree(ROOT, tree, peers=ops is not None)
     env = scratch_env(tree, 1 if jobs > 1 else 2)
     where = subprocess.run([sys.executable, "-c", "import vendored; print(vendored.__file__)"], cwd=tree, env=env,
                            capture_output=True, text=True, check=True).stdout.strip()
@@ -168,7 +181,7 @@ def baseline(mutants: list[Mutant], scratch: Path, *, gpu: bool, timeout: int, j
     if len(engines) > 1:
         sys.exit(f"mutants: one run takes the mutants of one engine, got {sorted(map(str, engines))}")
     cmd = pytest_command(selection, scratch / "baseline.xml", gpu=gpu, timeout=timeout, stop_first=False,
-                         workers=jobs, engine=engines.pop())
+                         workers=jobs, engine=engines.pop(), ops=ops)
     print(f"baseline: {len(selection)} selections on the unmutated tree ...", flush=True)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
@@ -189,8 +202,9 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def select(mutants: list[Mutant], *, gpu: bool, ci: bool, only: str | None, engine: str | None = None) -> list[Mutant]:
-    chosen = [m for m in mutants if m.gpu == gpu and m.engine == engine and (m.ci or not ci)]
+def select(mutants: list[Mutant], *, gpu: bool, ci: bool, only: str | None, engine: str | None = None,
+           ops: str | None = None) -> list[Mutant]:
+    chosen = [m for m in mutants if m.gpu == gpu and m.engine == engine and m.ops == ops and (m.ci or not ci)]
     if only:
         names = [n.strip() for n in only.split(",") if n.strip()]
         unknown = sorted(set(names) - {m.name for m in mutants})
@@ -206,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ci", action="store_true", help="only the fast subset marked ci = true")
     parser.add_argument("--only", help="comma-separated mutant names")
     parser.add_argument("--engine", help="the mutants of this opt-in engine's adapter (llamacpp), run with its tests")
+    parser.add_argument("--ops", help="the mutants of this peer's vendored kernels (.peers), run with --ops")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2, CI's cores)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "mutants")
@@ -215,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs: expected a positive integer, got {args.jobs}")
 
-    mutants = select(load_all(DEFS), gpu=args.gpu, ci=args.ci, only=args.only, engine=args.engine)
+    mutants = select(load_all(DEFS), gpu=args.gpu, ci=args.ci, only=args.only, engine=args.engine, ops=args.ops)
+    if args.ops and not (ROOT / ".peers" / "peer_loader.py").is_file():
+        sys.exit("mutants: --ops needs the peers' vendored kernels in .peers: run `make fetch-peers` first")
     if not mutants:
         print("mutants: none selected")
         return 0
