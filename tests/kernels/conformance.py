@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc", default="docs/kernel-conformance.md", help="markdown file to write ('' for none)")
     p.add_argument("--gpu", action="store_true", help="also the gpu-marked tests (a CUDA machine)")
     p.add_argument("--jobs", default=os.environ.get("XDIST", "2"), help="pytest-xdist workers per provider")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per provider; its pytest is then stopped and the tests it finished are tabulated, "
+                        "the provider marked incomplete")
     p.add_argument("--reuse", action="store_true",
                    help="tabulate OUT/<provider>.jsonl and OUT/meta.json of earlier runs (e.g. GPU runs split "
                         "across calls) instead of running pytest where they exist")
@@ -96,7 +99,11 @@ def run_provider(name: str, out: Path, a: argparse.Namespace) -> tuple[list[dict
            "--ops", name, "--ops-report", str(report), "-n", str(a.jobs)]
     started = time.monotonic()
     print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired as err:
+        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        done = subprocess.CompletedProcess(cmd, 124, stdout + f"\nstopped after {a.timeout:.0f} s (--timeout)", "")
     tail = (done.stdout.strip().splitlines() or [""])[-1]
     print(f"   {tail} ({time.monotonic() - started:.0f} s)", flush=True)
     rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
@@ -156,7 +163,9 @@ def versions() -> dict:
 def markdown(table: dict, providers: list[str], meta: dict) -> str:
     lines = [f"Run {meta['date']} on {meta['device']}; torch {meta['torch']}, triton {meta['triton']}, "
              f"python {meta['python']}. Peers: vLLM 0.33.0 (`vllm`), 0.10.2, 0.7.3, mamba_ssm 2.3.2.post1, "
-             f"fla-core 0.6.0, unmodified (bench/fetch_peers.py).", "",
+             f"fla-core 0.6.0, unmodified (bench/fetch_peers.py)."
+             + (f" Stopped by --timeout before every test ran: {', '.join(meta['incomplete'])}."
+                if meta.get("incomplete") else ""), "",
              "| boundary class | " + " | ".join(f"`{p}`" for p in providers) + " |",
              "| --- |" + " --- |" * len(providers)]
     for label, cells in table.items():
@@ -180,7 +189,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     out = ROOT / a.out
     out.mkdir(parents=True, exist_ok=True)
-    results, status = {}, 0
+    results, status, incomplete, ran = {}, 0, [], []
     saved = out / "meta.json"
     for name in a.providers:
         report = out / f"{name}.jsonl"
@@ -189,10 +198,16 @@ def main(argv=None) -> int:
             continue
         rows, _, rc = run_provider(name, out, a)
         results[name] = rows
+        ran.append(name)
+        if rc == 124:
+            incomplete.append(name)
         if rc not in (0, 5):
             status = 1
     table = tabulate(results)
     meta = json.loads(saved.read_text()) if a.reuse and saved.exists() else versions()
+    # a provider reused from an earlier run keeps what that run said of it; one run now, what this run says
+    incomplete += [p for p in meta.get("incomplete", []) if p in results and p not in ran]
+    meta = meta | dict(incomplete=incomplete)
     saved.write_text(json.dumps(meta))
     meta = meta | dict(gpu_tests=a.gpu, providers=a.providers)
     (out / "table.json").write_text(json.dumps(dict(meta=meta, table=table), indent=1))
