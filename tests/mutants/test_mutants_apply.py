@@ -133,3 +133,12 @@ def test_classify_counts_a_failure_in_the_report_as_a_kill_even_if_pytest_then_a
     # no failing test in the report: the mutant broke the run itself (collection error, crash before any report)
     assert classify(-6, None, "", "frame #21")[0] == "broken"
     assert classify(2, "t.py", "ImportError", "interrupted")[0] == "broken"
+
+
+def test_peer_mutants_run_only_when_asked_for_with_their_peer():
+    """Mutants of a peer's vendored kernels need .peers and --ops: `make mutants` (no --ops) never picks them, and
+    --ops vllm picks exactly them."""
+    peer = [m for m in MUTANTS if m.ops]
+    assert len(peer) >= 2 and {m.ops for m in peer} == {"vllm"}
+    assert not [m for m in select(MUTANTS, gpu=False, ci=False, only=None) if m.ops]
+    assert {m.name for m in select(MUTANTS, gpu=False, ci=False, only=None, ops="vllm")} == {m.name for m in peer}
