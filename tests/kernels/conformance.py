@@ -97,6 +97,8 @@ def run_provider(name: str, out: Path, a: argparse.Namespace) -> tuple[list[dict
     marks = "not slow and not scale" if a.gpu else "not gpu and not slow"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels", "-m", marks,
            "--ops", name, "--ops-report", str(report), "-n", str(a.jobs)]
+    if a.gpu:
+        cmd += ["--dist", "loadgroup"]              # the large-gpu-memory tests one at a time (conftest.py)
     started = time.monotonic()
     print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
     try:
