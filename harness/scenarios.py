@@ -43,12 +43,36 @@ KINDS = ("batching", "chunked_prefill", "preemption", "tp", "pp", "cudagraph", "
 # logprobs move with the logits as prompt positions' do.
 SAMPLE_TEMPERATURE = 2.0
 
+# Names that --scenarios takes beside kinds and ids, each standing for a few scenarios (alias_ids). make compare runs
+# `representative` on both tiny models and `boundary-events` on tiny-bamba as well (docs/scenarios.md says why);
+# tests/harness/test_representative.py checks that this covers every kind that runs on a CPU and every boundary
+# event.
+ALIASES = ("representative", "boundary-events")
+
+
+def alias_ids(Q: int, W: int) -> dict[str, tuple[str, ...]]:
+    """The scenario ids each alias names for a model of chunk size Q and conv width W (build_scenarios marks them).
+
+    representative: one scenario of each kind that runs on a CPU, the cheapest under the Triton interpreter that still
+    turns the kind's knob (measured: docs/scenarios.md). `long` has none: its CPU case (a prompt past the tiny models'
+    4096 positions) is slow. cudagraph-off is the CPU half of the cudagraph pair (cudagraph-on needs CUDA).
+    boundary-events: the fewest scenarios that between them produce every boundary event (harness/events.py): the
+    token budget of W-1 (every split event, the only budget above 2 to end a piece W-1 tokens in), the per-piece cap
+    (continuing prefills) and preemption (a recompute across a chunk boundary)."""
+    capped = f"chunked_prefill-capped-budget{2 * Q + -(-Q // 2)}-cap{Q}-Q{Q}"
+    preemption = f"preemption-blocks7x{preemption_block_size(Q)}-Q{Q}"
+    return {
+        "representative": ("batching-together", capped, preemption, "tp-size2", "pp-size2", "cudagraph-off",
+                           "ssm_state_dtype-bfloat16", f"sampled-decode-T{SAMPLE_TEMPERATURE:g}"),
+        "boundary-events": (f"chunked_prefill-budget{max(W - 1, 1)}-Q{Q}", capped, preemption),
+    }
+
 @dataclass(frozen=True)
 class Scenario:
     """A named configuration plus workload. shapes: the requests (lengths, tokens to generate, arrival steps);
     shuffle_seed: present the requests in a seeded random order; needs_cuda: skipped without a CUDA device;
     marks: pytest markers of its cases; slow: left out unless asked for by id; temperature: > 0, every request
-    samples its continuation at it, request i with seed i."""
+    samples its continuation at it, request i with seed i; aliases: the ALIASES that name it (alias_ids)."""
 
     id: str
     kind: str
@@ -60,6 +84,7 @@ class Scenario:
     marks: tuple[str, ...] = ()
     slow: bool = False
     temperature: float = 0.0
+    aliases: tuple[str, ...] = ()
 
     def requests(self, source: "PromptSource", *, top_k: int = 5, full_distributions: bool = False) -> list[Request]:
         """The workload's requests in presentation order; request i of the shapes is named `r{i}-len{T}`."""
@@ -258,7 +283,17 @@ def chunked_prefill_budgets(Q: int, W: int) -> list[int]:
 def build_scenarios(cfg: ModelConfig, engine=None) -> list[Scenario]:
     """Every scenario for this model, in KINDS order, then those of `engine` (an Engine class: its own knobs, from
     its engine_scenarios, e.g. llama.cpp's thread count and flash attention)."""
-    return _common_scenarios(cfg) + (list(engine.engine_scenarios(cfg)) if engine is not None else [])
+    return _with_aliases(_common_scenarios(cfg), cfg) + (list(engine.engine_scenarios(cfg)) if engine is not None
+                                                         else [])
+
+
+def _with_aliases(scenarios: list[Scenario], cfg: ModelConfig) -> list[Scenario]:
+    """The scenarios with their `aliases` set from alias_ids; an alias naming an id that was not built raises."""
+    named = alias_ids(cfg.mamba_chunk_size, cfg.mamba_d_conv)
+    missing = {sid for ids in named.values() for sid in ids} - {s.id for s in scenarios}
+    if missing:
+        raise AssertionError(f"alias_ids names scenarios that build_scenarios does not make: {sorted(missing)}")
+    return [replace(s, aliases=tuple(a for a, ids in named.items() if s.id in ids)) for s in scenarios]
 
 
 def _common_scenarios(cfg: ModelConfig) -> list[Scenario]:
@@ -374,9 +409,10 @@ def next_power_of_two_above(n: int) -> int:
 
 
 def select_scenarios(scenarios: Sequence[Scenario], spec: str | None) -> list[Scenario]:
-    """spec: comma-separated kinds and/or scenario ids ("all" or None: every scenario not marked slow). A kind
-    selects its scenarios that are not slow; an id selects that scenario; a name with a leading "-" removes what
-    it would select (a spec of removals alone starts from "all"). Unknown names raise ValueError."""
+    """spec: comma-separated kinds, aliases (ALIASES) and/or scenario ids ("all" or None: every scenario not marked
+    slow). A kind selects its scenarios that are not slow; an alias the scenarios it names (alias_ids); an id selects
+    that scenario; a name with a leading "-" removes what it would select (a spec of removals alone starts from
+    "all"). Unknown names raise ValueError."""
     names = [n.strip() for n in (spec or "all").split(",") if n.strip()]
     kinds = tuple(dict.fromkeys([*KINDS, *(s.kind for s in scenarios)]))
     if names and all(n.startswith("-") for n in names):
@@ -388,9 +424,12 @@ def select_scenarios(scenarios: Sequence[Scenario], spec: str | None) -> list[Sc
             return [s for s in scenarios if not s.slow]
         if name in kinds:
             return [s for s in scenarios if s.kind == name and not s.slow]
+        if name in ALIASES:
+            return [s for s in scenarios if name in s.aliases]
         if name in by_id:
             return [by_id[name]]
-        raise ValueError(f"unknown scenario {name!r}: expected 'all', a kind ({', '.join(kinds)}) or an id "
+        raise ValueError(f"unknown scenario {name!r}: expected 'all', a kind ({', '.join(kinds)}), an alias "
+                         f"({', '.join(ALIASES)}) or an id "
                          f"({', '.join(by_id)}), each optionally with a leading '-' to leave it out")
 
     chosen: dict[str, Scenario] = {}
