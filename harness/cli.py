@@ -3,6 +3,9 @@
     bamba-harness compare --engine transformers --checkpoint DIR --scenarios chunked_prefill,batching \\
         --dtype bfloat16 --device cuda --out out/
     bamba-harness compare --engine vendored --against reference --against-dtype float32 --scenarios batching
+    bamba-harness compare --engine vendored --jobs 2 --out out/compare \
+        --checkpoint fixtures/tiny-bamba --scenarios representative,boundary-events \
+        --checkpoint fixtures/tiny-granite --scenarios representative
     bamba-harness list [--checkpoint DIR]
     bamba-harness write-model bamba9b-2layer DIR --device cuda      # a generated model: scale (real width) or zoo
     bamba-harness lm-eval --model_args engine=vendored,checkpoint=DIR --tasks bamba_tiny --include_path fixtures/tasks
@@ -17,6 +20,13 @@ the previous run's files there are removed first, so nothing stale survives a ru
 --against ENGINE the candidate is judged directly against that engine (in --against-dtype) instead of the oracle,
 within the oracle's budget of the candidate's dtype plus that of the baseline's (harness/runner.py, check_against).
 Everything the run needs is checked before any work starts, so a bad argument costs seconds, not a whole run.
+
+--checkpoint may be given several times: each model's files go to --out/<checkpoint directory name>, its table
+follows its own "== name" line, and a last summary line counts every model's scenarios with the whole run's time.
+--scenarios is then given once (for every model) or once per --checkpoint, in the same order. With --jobs N (or
+several checkpoints) the scenarios run in N worker processes of one torch thread each (OMP_NUM_THREADS, unless set),
+the longest first by planned engine steps, under one progress bar counted in engine steps, so its ETA is a live one;
+each worker keeps one oracle per model, whose memo serves the scenarios that worker runs.
 
 Exit status:
   0    at least one scenario was checked and every checked scenario passed (skipped ones are listed)
@@ -75,9 +85,13 @@ def _parser() -> argparse.ArgumentParser:
                              description="Run scenarios on an engine and judge it against the fp64 oracle (or, "
                                          "with --against, another engine).", epilog=epilog, formatter_class=raw)
     compare.add_argument("--engine", required=True, help="engine name (see `bamba-harness list`)")
-    compare.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory")
-    compare.add_argument("--scenarios", default="all",
-                         help="comma-separated kinds and/or scenario ids; a leading - leaves one out")
+    compare.add_argument("--checkpoint", action="append", default=None,
+                         help="checkpoint directory (repeatable: several models in one run)")
+    compare.add_argument("--scenarios", action="append", default=None,
+                         help="comma-separated kinds, aliases (representative, boundary-events) and/or scenario ids; "
+                              "a leading - leaves one out; once, or once per --checkpoint (default: all)")
+    compare.add_argument("--jobs", type=int, default=1,
+                         help="worker processes that run scenarios side by side (default 1: in this process)")
     compare.add_argument("--dtype", default="float32", help="the candidate's dtype (float32, bfloat16, ...)")
     compare.add_argument("--device", default="cpu", help="device of the candidate and the oracle (cpu, cuda[:N])")
     compare.add_argument("--out", default="out", help="directory for report.json and delta_by_position.png")
@@ -277,20 +291,20 @@ def _validate(args) -> _Plan:
                  note)
 
 
-def _run_one(plan: _Plan, scenario, args, oracle) -> tuple[dict, object]:
+def _run_one(plan: _Plan, scenario, args, oracle, progress=None) -> tuple[dict, object]:
     """One scenario: its report entry and its Report (None where it was skipped or raised), with a progress bar of
-    its own for the stages and engine steps inside it."""
+    its own for the stages and engine steps inside it, or, given `progress` (a worker's), that callback instead."""
     from tqdm import tqdm
 
     from .runner import ScenarioSkipped, check_against, check_scenario
 
-    bar = tqdm(desc=scenario.id, unit="step", leave=False, file=sys.stderr, position=1)
-
-    def progress(stage: str, steps: int) -> None:
-        if steps:
-            bar.update(steps)
-        else:
-            bar.set_description_str(f"{scenario.id}: {stage}")
+    bar = tqdm(desc=scenario.id, unit="step", leave=False, file=sys.stderr, position=1, disable=progress is not None)
+    if progress is None:
+        def progress(stage: str, steps: int) -> None:
+            if steps:
+                bar.update(steps)
+            else:
+                bar.set_description_str(f"{scenario.id}: {stage}")
 
     common = dict(oracle=oracle, source=plan.source, dtype=plan.dtype, device=args.device, k=plan.k,
                   atol=args.atol, engine_args=plan.engine_args, progress=progress)
@@ -307,20 +321,33 @@ def _run_one(plan: _Plan, scenario, args, oracle) -> tuple[dict, object]:
 
 
 def _compare(args) -> int:
-    from tqdm import tqdm
+    """One model in this process (one --checkpoint, --jobs 1), else several, or one in worker processes."""
+    checkpoints = args.checkpoint or [str(DEFAULT_CHECKPOINT)]
+    specs = args.scenarios or ["all"]
+    if len(specs) not in (1, len(checkpoints)):
+        raise UsageError(f"--scenarios given {len(specs)} times for {len(checkpoints)} --checkpoint: expected it "
+                         "once (for every checkpoint) or once per --checkpoint")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: expected 1 or more worker processes")
+    runs = [argparse.Namespace(**{**vars(args), "checkpoint": c, "scenarios": specs[i % len(specs)]})
+            for i, c in enumerate(checkpoints)]
+    if len(runs) == 1 and args.jobs == 1:
+        return _compare_here(runs[0])
+    if len(runs) > 1:
+        names = [Path(c).resolve().name for c in checkpoints]
+        if len(set(names)) < len(names):
+            raise UsageError(f"--checkpoint: several directories named alike ({', '.join(names)}); each model's "
+                             "files go to --out/<directory name>")
+        for run, name in zip(runs, names):
+            run.out = str(Path(args.out) / name)
+    return _compare_pool(runs, args.jobs)
 
-    from . import report as report_doc
+
+def _settings(args, plan: _Plan) -> tuple[dict, dict]:
+    """The baseline and the settings of one model's report.json."""
     from .compare import ATOL
     from .engine import dtype_name
-    from .plot import plot_deltas
-    from .runner import Oracle
 
-    plan = _validate(args)
-    if plan.note:
-        print(f"bamba-harness: {plan.note}", file=sys.stderr)
-    out = Path(args.out)
-    for stale in (out / REPORT_NAME, out / PLOT_NAME):
-        stale.unlink(missing_ok=True)
     if plan.base_cls is None:
         baseline = {"kind": "oracle", "engine": "reference", "dtype": "float64",
                     "engine_args": {"gated_norm": args.gated_norm}}
@@ -332,6 +359,28 @@ def _compare(args) -> int:
                 "atol": ATOL[plan.dtype] if args.atol is None else args.atol, "oracle_gated_norm": args.gated_norm,
                 "prompts": "random" if not plan.source.prompts else "file", "allow_skips": args.allow_skips,
                 "selected": [s.id for s in plan.scenarios]}
+    return baseline, settings
+
+
+def _start(args, plan: _Plan) -> None:
+    """Before any work on a validated model: its note, and the previous run's files removed from its --out."""
+    if plan.note:
+        print(f"bamba-harness: {plan.note}", file=sys.stderr)
+    out = Path(args.out)
+    for stale in (out / REPORT_NAME, out / PLOT_NAME):
+        stale.unlink(missing_ok=True)
+
+
+def _compare_here(args) -> int:
+    from tqdm import tqdm
+
+    from . import report as report_doc
+    from .runner import Oracle
+
+    plan = _validate(args)
+    _start(args, plan)
+    out = Path(args.out)
+    baseline, settings = _settings(args, plan)
     started = time.time()
     oracle = Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm)
     reports, entries = [], []
@@ -349,7 +398,18 @@ def _compare(args) -> int:
     finally:
         oracle.close()
     finished = time.time()
+    document = _finish(args, plan, settings, baseline, entries, reports, started, finished)
+    print(report_doc.summary_line(document["counts"], finished - started))
+    return _exit_status(document, allow_skips=args.allow_skips)
 
+
+def _finish(args, plan: _Plan, settings: dict, baseline: dict, entries: list[dict], reports: list, started: float,
+            finished: float) -> dict:
+    """Print one model's table and failures, write its report.json and plot; its report document."""
+    from . import report as report_doc
+    from .plot import plot_deltas
+
+    out = Path(args.out)
     if plan.base_cls is not None:
         print(f"baseline: {baseline['engine']} {baseline['dtype']} (budget: the oracle's for {settings['dtype']} "
               f"+ for {baseline['dtype']})")
@@ -364,8 +424,151 @@ def _compare(args) -> int:
     written = [report_doc.write_atomic(out / REPORT_NAME, document)]
     written.append(plot_deltas(reports, out / PLOT_NAME, **report_doc.figure_labels(document)))
     print(f"\nwrote {', '.join(str(p) for p in written)}")
-    print(report_doc.summary_line(document["counts"], finished - started))
-    return _exit_status(document, allow_skips=args.allow_skips)
+    return document
+
+
+# ---- several models, or worker processes (--checkpoint repeated, --jobs N) -------------------------------------
+
+_WORKER: dict = {}          # in a worker process: "ticks" (the queue to the parent), checkpoint -> (plan, oracle)
+
+
+def _worker_init(ticks) -> None:
+    """A worker process: one torch thread (N workers share N cores), the CLI's environment, and Ctrl-C left to
+    the parent, which ends the workers itself."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    prepare_environment()
+    _WORKER["ticks"] = ticks
+
+
+def _worker_job(run: dict, scenario_id: str, job: int) -> tuple[dict, object, float]:
+    """One scenario of one model in a worker: the entry and Report that _run_one gives, and its seconds; every
+    engine step is reported to the parent as (job, steps), for its progress bar."""
+    from .runner import Oracle
+
+    began = time.time()
+    args = argparse.Namespace(**run)
+    if args.checkpoint not in _WORKER:
+        plan = _validate(args)
+        _WORKER[args.checkpoint] = plan, Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm)
+    plan, oracle = _WORKER[args.checkpoint]
+    scenario = next(s for s in plan.scenarios if s.id == scenario_id)
+    ticks = _WORKER["ticks"]
+
+    def progress(stage: str, steps: int) -> None:
+        if steps:
+            ticks.put((job, steps))
+
+    entry, report = _run_one(plan, scenario, args, oracle, progress=progress)
+    return entry, report, time.time() - began
+
+
+def planned_steps(scenario) -> int:
+    """The engine steps a scenario's workload takes under its options (harness/schedule.py): the weight of its
+    share of the progress bar and of the order in which workers take scenarios (the longest first)."""
+    from .schedule import plan_options, plan_steps
+
+    return max(1, len(plan_steps(scenario.shapes, **plan_options(scenario.options))))
+
+
+def _compare_pool(runs: list, jobs: int) -> int:
+    """Every model's scenarios in `jobs` worker processes, the longest first; then each model's table, files and
+    summary line in order, and a last summary line over all of them with the whole run's time."""
+    import multiprocessing
+    import queue
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    from tqdm import tqdm
+
+    from . import report as report_doc
+
+    plans = [_validate(run) for run in runs]           # every model checked before any work
+    for run, plan in zip(runs, plans):
+        _start(run, plan)
+    several = len(runs) > 1
+    names = [Path(run.checkpoint).resolve().name for run in runs]
+    work = sorted(((m, i, planned_steps(s)) for m, plan in enumerate(plans) for i, s in enumerate(plan.scenarios)),
+                  key=lambda job: -job[2])
+    entries: list[list] = [[None] * len(plan.scenarios) for plan in plans]
+    reports: list[list] = [[None] * len(plan.scenarios) for plan in plans]
+    context = multiprocessing.get_context("spawn")
+    ticks = context.Queue()
+    started = time.time()
+    bar = tqdm(total=sum(w for _, _, w in work), unit="step", file=sys.stderr, smoothing=0,
+               desc=f"{runs[0].engine} {len(work)} scenarios" + (f" of {len(runs)} models" if several else ""))
+    pool = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(work))), mp_context=context,
+                               initializer=_worker_init, initargs=(ticks,))
+    counted = [0] * len(work)                   # steps shown per job, at most its planned steps
+    seconds = [0.0] * len(runs)                 # per model: its scenarios' time in the workers
+    try:
+        futures = {pool.submit(_worker_job, vars(runs[m]), plans[m].scenarios[i].id, j): j
+                   for j, (m, i, _) in enumerate(work)}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    j, steps = ticks.get_nowait()
+                    shown = min(steps, work[j][2] - counted[j])
+                    counted[j] += shown
+                    bar.update(shown)
+            for future in done:
+                j = futures[future]
+                m, i, weight = work[j]
+                scenario = plans[m].scenarios[i]
+                try:
+                    entry, report, took = future.result()
+                except Exception as err:         # the worker died (killed, out of memory): this scenario's error
+                    entry, report, took = {"scenario": scenario.id, "verdict": "ERROR",
+                                           "error": f"{type(err).__name__}: {err}"}, None, 0.0
+                seconds[m] += took
+                entries[m][i], reports[m][i] = entry, report
+                bar.update(weight - counted[j])
+                counted[j] = weight
+                bar.set_postfix_str(f"{names[m] + ' ' if several else ''}{scenario.id} {entry['verdict']}")
+            bar.refresh()
+    except (KeyboardInterrupt, Interrupted):
+        _stop_pool(pool)
+        now = time.time()
+        for run, plan, done_entries in zip(runs, plans, entries):
+            _, settings = _settings(run, plan)
+            report_doc.write_atomic(Path(run.out) / REPORT_NAME, report_doc.build(
+                settings, [e for e in done_entries if e is not None], repo=REPO_ROOT, started=started, finished=now,
+                interrupted=True, not_run=[s.id for s, e in zip(plan.scenarios, done_entries) if e is None]))
+        raise
+    finally:
+        bar.close()
+        pool.shutdown(wait=True, cancel_futures=True)
+    finished = time.time()
+
+    status, total = EXIT_PASS, {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for run, plan, name, model_entries, model_reports, took in zip(runs, plans, names, entries, reports, seconds):
+        if several:
+            print(f"== {name}")
+        baseline, settings = _settings(run, plan)
+        document = _finish(run, plan, settings, baseline, model_entries, [r for r in model_reports if r is not None],
+                           started, finished)
+        if several:               # the scenarios' own time; the last line gives the run's
+            print(report_doc.summary_line(document["counts"], took) + f" ({name}: its scenarios' time in the workers)")
+        else:
+            print(report_doc.summary_line(document["counts"], finished - started))
+        for key in total:
+            total[key] += document["counts"][key]
+        code = _exit_status(document, allow_skips=run.allow_skips)
+        status = code if status == EXIT_PASS else status           # the first model's non-zero status
+        if several:
+            print()
+    if several:
+        print(f"{len(runs)} models: " + report_doc.summary_line(total, finished - started))
+    return status
+
+
+def _stop_pool(pool) -> None:
+    """End the worker processes now (a worker ends its engine's own processes on SIGTERM: vendored/engine)."""
+    for process in list(getattr(pool, "_processes", {}).values()):
+        with contextlib.suppress(Exception):
+            process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _exit_status(document: dict, *, allow_skips: bool) -> int:
