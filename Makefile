@@ -116,18 +116,37 @@ fetch-peers: $(STAMP)
 	$(PY) -m bench.fetch_peers --dest $(PEERS)
 
 # The main job: the vendored engine against the fp64 oracle on each bundled tiny model, one family each (table, JSON
-# and PNG in out/compare/<model>). The one- and two-token chunked-prefill budgets (11 of its 20 minutes on 2 CPU
-# cores) are left out: the other budgets produce every boundary event they do (tests/engine/test_vendored_vs_oracle.py);
-# `make compare COMPARE_SCENARIOS=all` runs them too. The exit status is the first non-zero one.
+# and PNG in out/compare/<model>), in 3 minutes on 2 CPU cores. The selection lives in harness/scenarios.py
+# (alias_ids; docs/scenarios.md, "make compare's selection"): `representative` on every model, one scenario of each kind
+# that runs on a CPU (batching-together, chunked_prefill-capped-budget40-cap16-Q16, preemption-blocks7x8-Q16,
+# tp-size2, pp-size2, cudagraph-off, ssm_state_dtype-bfloat16, sampled-decode-T2), and `boundary-events` on
+# COMPARE_EVENTS_MODEL as well: the W-1 token budget (chunked_prefill-budget3-Q16: every split event, 80-90 s alone)
+# with the capped and preemption cases, which between them produce all 12 boundary events. Both tiny models have
+# Q = 16 and W = 4, so their schedules, and the events, are the same. tests/harness/test_representative.py runs
+# `make -n compare` and checks that what it runs covers every kind on each model and every event.
+# One bamba-harness process runs both models' scenarios in COMPARE_JOBS worker processes (the longest first), with
+# one progress bar and its ETA, then each model's table, and ends with a summary line of the whole run's time.
+# The exit status is the first model's non-zero one. With one model in COMPARE_MODELS, out/compare/<model> still.
+comma := ,
+compare_out = $(if $(word 2,$(COMPARE_MODELS)),$(1),$(1)/$(strip $(COMPARE_MODELS)))
 COMPARE_MODELS ?= tiny-bamba tiny-granite
-COMPARE_SCENARIOS ?= batching,chunked_prefill,cudagraph,ssm_state_dtype,tp,pp,sampled,-chunked_prefill-budget1-Q16,-chunked_prefill-budget2-Q16
+COMPARE_SCENARIOS ?= representative
+COMPARE_EVENTS_MODEL ?= tiny-bamba
+COMPARE_JOBS ?= $(XDIST)
 compare: $(STAMP)
-	@status=0; for model in $(COMPARE_MODELS); do \
-		echo "== $$model"; \
-		$(VENV)/bin/bamba-harness compare --engine vendored --checkpoint fixtures/$$model --out out/compare/$$model \
-			--scenarios $(COMPARE_SCENARIOS); rc=$$?; \
-		if [ $$status -eq 0 ]; then status=$$rc; fi; \
-	done; exit $$status
+	$(VENV)/bin/bamba-harness compare --engine vendored --out $(call compare_out,out/compare) --jobs $(COMPARE_JOBS) \
+		$(foreach m,$(COMPARE_MODELS),--checkpoint fixtures/$(m) \
+			--scenarios $(COMPARE_SCENARIOS)$(if $(filter $(m),$(COMPARE_EVENTS_MODEL)),$(comma)boundary-events))
+
+# The full matrix on both tiny models (what make compare ran before issue 49): every scenario that is not slow
+# (preemption included) but the one- and two-token chunked-prefill budgets (11 of its minutes on 2 cores; the other
+# budgets produce every event they do: tests/engine/test_vendored_vs_oracle.py); COMPARE_ALL_SCENARIOS=all runs
+# them too; out/compare-all/<model>.
+COMPARE_ALL_SCENARIOS ?= all,-chunked_prefill-budget1-Q16,-chunked_prefill-budget2-Q16
+.PHONY: compare-all
+compare-all: $(STAMP)
+	$(VENV)/bin/bamba-harness compare --engine vendored --out $(call compare_out,out/compare-all) --jobs $(COMPARE_JOBS) \
+		$(foreach m,$(COMPARE_MODELS),--checkpoint fixtures/$(m)) --scenarios $(COMPARE_ALL_SCENARIOS)
 
 # Decode tokens/s with and without CUDA graphs, batches 1, 8, 64, 256, tiny model and a random 2-layer Bamba-9B slice.
 # On the GPU image (nothing installed): the python3 there. JSON, markdown and PNG in out/bench.
