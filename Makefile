@@ -148,6 +148,18 @@ compare-all: $(STAMP)
 	$(VENV)/bin/bamba-harness compare --engine vendored --out $(call compare_out,out/compare-all) --jobs $(COMPARE_JOBS) \
 		$(foreach m,$(COMPARE_MODELS),--checkpoint fixtures/$(m)) --scenarios $(COMPARE_ALL_SCENARIOS)
 
+# make test's selection FLAKY_RUNS times, each in another shuffled order (xdist --dist load; harness/flaky.py), the
+# outcomes of every test collected: out/flaky/summary.json and summary.md list the tests that passed in one run and
+# failed in another; non-zero exit if there is one (docs/flaky.md). FLAKY_PATHS narrows it (tests/harness), FLAKY_SEED
+# fixes the orders (run K uses FLAKY_SEED + K - 1; default a random seed, recorded).
+FLAKY_RUNS ?= 10
+FLAKY_PATHS ?= tests
+FLAKY_SEED ?=
+.PHONY: flaky
+flaky: $(STAMP)
+	$(PY) -m harness.flaky --runs $(FLAKY_RUNS) $(if $(FLAKY_SEED),--seed $(FLAKY_SEED)) --xdist $(XDIST) \
+		--out out/flaky -- --timeout=900 -m "not gpu and not slow" $(FLAKY_PATHS)
+
 # Decode tokens/s with and without CUDA graphs, batches 1, 8, 64, 256, tiny model and a random 2-layer Bamba-9B slice.
 # On the GPU image (nothing installed): the python3 there. JSON, markdown and PNG in out/bench.
 bench-decode:
