@@ -12,7 +12,9 @@ from reference.ops import causal_conv1d_ref
 from tests.kernels.common import DEVICE, assert_slots_untouched, assert_three_way, gpu, needs_gpu, poison_slots
 from tests.kernels.providers import OPS
 
-conv_module = importlib.import_module("vendored.ops.causal_conv1d")  # vendored.ops re-exports the function by that name
+# The module in which causal_conv1d looks up its launch choice, _prefill_launch, at every call: a chooser replaced
+# there changes the launch (vendored/ops/causal_conv1d.py holds the kernels and only re-exports the ops).
+conv_module = importlib.import_module("vendored.ops.causal_conv1d_launch")
 
 K = 2.0
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
