@@ -1,5 +1,5 @@
-"""Launch and structure sweep of our SSD scan on a GPU: candidate `_Blocks` of vendored/ops/ssd_scan.py timed side
-by side with vLLM's scan and fla's chunk_simple_gla on the same inputs, plus where the time goes, kernel by kernel,
+"""Launch and structure sweep of our SSD scan on a GPU: candidate `_Blocks` of vendored/ops/ssd_scan_launch.py timed
+side by side with vLLM's scan and fla's chunk_simple_gla on the same inputs, plus where the time goes, kernel by kernel,
 for ours and for the peers, and the launches the peers' autotuners picked.
 
     python3 -m bench.sweep_scan --peers .peers --out out/sweep-scan        # CUDA machine, < 2 minutes on an H200
@@ -28,8 +28,8 @@ import torch
 from bench.kernel_cases import BAMBA_9B, Setup, scan_case
 from bench.kernels import load_peers, max_abs_diff
 
-# the package exports the function ssd_scan under the module's name: fetch the module itself
-scan_module = importlib.import_module("vendored.ops.ssd_scan")
+# the module in which ssd_scan looks up `_block_sizes` at every call (vendored/ops/ssd_scan.py holds the kernels)
+scan_module = importlib.import_module("vendored.ops.ssd_scan_launch")
 
 CASES = ((32768, 1), (8192, 8), (2048, 1))
 # candidates whose time is also broken down kernel by kernel (CUDA profiler), and the peers'

@@ -57,11 +57,11 @@ CAPPED_SPILL_BYTES = 32
 # Kernels whose products of 16-bit inputs must run on Hopper's wgmma (checked on the bf16 calls).
 TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel",
                        "_ssd_chunk_scan_tile_kernel", "_ssd_chunk_state_tile_kernel")
-# The modules that hold each op's host function and launch choosers, and import the kernels it launches (the convs'
-# kernels are in a module of their own, vendored/ops/causal_conv1d.py).
+# The modules that hold each op's host function and launch choosers, and import the kernels it launches (the scan's
+# and the convs' kernels are in modules of their own: vendored/ops/ssd_scan*.py, causal_conv1d.py).
 OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
               for name in ("causal_conv1d_launch", "decode_attention", "rms_norm", "rms_norm_gated", "rotary",
-                           "selective_state_update", "silu_mul", "ssd_scan")]
+                           "selective_state_update", "silu_mul", "ssd_scan_launch")]
 
 # Bamba-9B's mixer widths; a few tokens are enough, the compiled code does not depend on how many.
 H, P, N, G, W, Q = 128, 64, 128, 1, 4, 256
