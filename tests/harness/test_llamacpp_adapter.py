@@ -82,7 +82,10 @@ def _fake_source(tmp_path: Path, body: str) -> Path:
 @pytest.fixture
 def fake_converter(tmp_path, monkeypatch):
     """A stand-in converter run exactly as the real one (through llamacpp_convert.py, with this python); each run
-    appends a line to runs.txt."""
+    appends a line to runs.txt. The process's memory of refused conversions starts empty for each test (a refusal
+    remembered from another test made this one order-dependent: make flaky found it)."""
+    monkeypatch.setattr(llamacpp, "_refusals", {})
+
     def install(body: str) -> Path:
         runs = tmp_path / "runs.txt"
         source = _fake_source(tmp_path, f"import sys\nopen({str(runs)!r}, 'a').write('run\\n')\n{body}")
