@@ -235,6 +235,15 @@ def _ssu_contract(ssm_states, x, dt_limit, D, dt_bias) -> None:
         raise Unsupported("bf16 under the Triton interpreter, whose bf16 stores truncate; the GPU run judges it")
 
 
+def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """y, or y copied into our op's `out` (the peers write y in x's dtype: an `out` of another dtype is ours alone)."""
+    if out is None:
+        return y
+    if out.dtype != y.dtype:
+        raise Unsupported("an `out` of another dtype than x is ours alone")
+    return out.copy_(y)
+
+
 # ---- vLLM ----------------------------------------------------------------------------------------------------------
 
 class VllmProvider(_Peer):
@@ -318,12 +327,7 @@ class VllmProvider(_Peer):
                    state_batch_indices=state_indices, pad_slot_id=pad_slot_id)
         # its padding rows' outputs are left as they were (its engine never reads them); ours are zero
         y[state_indices == pad_slot_id] = 0
-        if out is not None:
-            if out.dtype != y.dtype:
-                raise Unsupported("an `out` of another dtype than x is ours alone")
-            out.copy_(y)
-            return out
-        return y
+        return _into(out, y)
 
     # conv
     def _conv_module(self):
@@ -419,12 +423,7 @@ class MambaSsmProvider(_Peer):
             ssm_states, x, dt[:, :, None].expand(x.shape[0], H, P), _per_channel(A, P, N), B, C,
             D=_per_channel(D, P), z=z, dt_bias=_per_channel(dt_bias, P), dt_softplus=dt_softplus,
             state_batch_indices=state_indices)
-        if out is not None:
-            if out.dtype != y.dtype:
-                raise Unsupported("an `out` of another dtype than x is ours alone")
-            out.copy_(y)
-            return out
-        return y
+        return _into(out, y)
 
 
 # ---- fla -----------------------------------------------------------------------------------------------------------
