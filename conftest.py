@@ -5,7 +5,10 @@ before any test module (and so any kernel module) is imported. On a machine with
 for it instead.
 """
 
+import contextlib
+import fcntl
 import os
+import tempfile
 import warnings
 
 import pytest
@@ -44,13 +47,34 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+# Several pytest processes may share one GPU (tests.kernels.conformance --parallel runs one per op provider): their
+# large-gpu-memory tests also take a lock file, so that at most one of them runs on the device at a time, across
+# processes as --dist loadgroup does within one. BAMBA_GPU_LOCK names the file.
+GPU_LOCK = os.environ.get("BAMBA_GPU_LOCK", os.path.join(tempfile.gettempdir(), "bamba-harness-large-gpu-memory.lock"))
+
+
+@contextlib.contextmanager
+def _large_gpu_memory_lock(request):
+    grouped = any(m.args[:1] == (LARGE_GPU_MEMORY,) for m in request.node.iter_markers("xdist_group"))
+    if not (grouped and torch.cuda.is_available()):
+        yield
+        return
+    with open(GPU_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)          # blocks while another process runs its large test
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture(autouse=True)
 def _gpu_memory_returned(request):
-    if _cuda_in_use():
-        torch.cuda.reset_peak_memory_stats()
-    yield
-    if _cuda_in_use():
-        _return_gpu_memory(request)
+    with _large_gpu_memory_lock(request):
+        if _cuda_in_use():
+            torch.cuda.reset_peak_memory_stats()
+        yield
+        if _cuda_in_use():
+            _return_gpu_memory(request)
 
 
 def _return_gpu_memory(request) -> None:

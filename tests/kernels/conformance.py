@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import datetime
 import fnmatch
 import json
@@ -80,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per provider; its pytest is then stopped and the tests it finished are tabulated, "
                         "the provider marked incomplete")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="providers run side by side, each its own pytest process (a GPU run: on the one device, their "
+                        "large-gpu-memory tests one at a time through conftest.py's lock file)")
     p.add_argument("--reuse", action="store_true",
                    help="tabulate OUT/<provider>.jsonl and OUT/meta.json of earlier runs (e.g. GPU runs split "
                         "across calls) instead of running pytest where they exist")
@@ -88,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [o for o in a.providers if o not in PROVIDERS]
     if unknown:
         p.error(f"--ops: unknown provider {unknown[0]!r}; expected some of {', '.join(PROVIDERS)}")
+    if a.parallel < 1:
+        p.error(f"--parallel: {a.parallel} is not a positive number of processes")
     return a
 
 
@@ -106,12 +112,13 @@ def run_provider(name: str, out: Path, a: argparse.Namespace) -> tuple[list[dict
     except subprocess.TimeoutExpired as err:
         stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
         done = subprocess.CompletedProcess(cmd, 124, stdout + f"\nstopped after {a.timeout:.0f} s (--timeout)", "")
+    (out / f"{name}.log").write_text(done.stdout + done.stderr)
     tail = (done.stdout.strip().splitlines() or [""])[-1]
-    print(f"   {tail} ({time.monotonic() - started:.0f} s)", flush=True)
+    print(f"   {name}: {tail} ({time.monotonic() - started:.0f} s; {out / f'{name}.log'})", flush=True)
     rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     if not rows:
-        raise SystemExit(f"{name}: pytest wrote no report (exit {done.returncode}):\n{done.stdout[-3000:]}"
-                         f"{done.stderr[-3000:]}")
+        print(f"{name}: pytest wrote no report (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}",
+              file=sys.stderr, flush=True)
     return rows, time.monotonic() - started, done.returncode
 
 
@@ -167,7 +174,9 @@ def markdown(table: dict, providers: list[str], meta: dict) -> str:
              f"python {meta['python']}. Peers: vLLM 0.33.0 (`vllm`), 0.10.2, 0.7.3, mamba_ssm 2.3.2.post1, "
              f"fla-core 0.6.0, unmodified (bench/fetch_peers.py)."
              + (f" Stopped by --timeout before every test ran: {', '.join(meta['incomplete'])}."
-                if meta.get("incomplete") else ""), "",
+                if meta.get("incomplete") else "")
+             + (f" Crashed before any test ran (no report; OUT/<provider>.log): {', '.join(meta['crashed'])}."
+                if meta.get("crashed") else ""), "",
              "| boundary class | " + " | ".join(f"`{p}`" for p in providers) + " |",
              "| --- |" + " --- |" * len(providers)]
     for label, cells in table.items():
@@ -191,14 +200,22 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     out = ROOT / a.out
     out.mkdir(parents=True, exist_ok=True)
-    results, status, incomplete, ran = {}, 0, [], []
+    results, status, incomplete, ran, crashed = {}, 0, [], [], []
     saved = out / "meta.json"
+    todo = []
     for name in a.providers:
         report = out / f"{name}.jsonl"
         if a.reuse and report.exists():
             results[name] = [json.loads(line) for line in report.read_text().splitlines()]
-            continue
-        rows, _, rc = run_provider(name, out, a)
+        else:
+            todo.append(name)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=a.parallel) as pool:
+        runs = dict(zip(todo, pool.map(lambda name: run_provider(name, out, a), todo)))
+    for name in todo:
+        rows, _, rc = runs[name]
+        if not rows:                        # it crashed before any test ran: a column of dashes, said in the header
+            crashed.append(name)
+            status = 1
         results[name] = rows
         ran.append(name)
         if rc == 124:
@@ -209,7 +226,8 @@ def main(argv=None) -> int:
     meta = json.loads(saved.read_text()) if a.reuse and saved.exists() else versions()
     # a provider reused from an earlier run keeps what that run said of it; one run now, what this run says
     incomplete += [p for p in meta.get("incomplete", []) if p in results and p not in ran]
-    meta = meta | dict(incomplete=incomplete)
+    crashed += [p for p in meta.get("crashed", []) if p in results and p not in ran]
+    meta = meta | dict(incomplete=incomplete, crashed=crashed)
     saved.write_text(json.dumps(meta))
     meta = meta | dict(gpu_tests=a.gpu, providers=a.providers)
     (out / "table.json").write_text(json.dumps(dict(meta=meta, table=table), indent=1))

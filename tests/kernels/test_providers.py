@@ -102,3 +102,57 @@ def test_bad_ops_or_missing_peers_is_a_usage_error(ops, message, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode in (2, 4), proc.stdout[-1000:]
     assert message in proc.stdout + proc.stderr
+
+
+def test_parallel_runs_every_provider_and_a_crashed_one_is_named(tmp_path, monkeypatch):
+    # --parallel 2: both providers' runs overlap in time; one that wrote no report is a dashed column the header names
+    import threading
+    started, overlap = [], threading.Barrier(2, timeout=30)
+
+    def fake_run(name, out, a):
+        started.append(name)
+        overlap.wait()                              # raises BrokenBarrierError unless the two runs overlap
+        rows = [] if name == "mamba_ssm" else [dict(nodeid="tests/kernels/test_ssd_scan.py::test_groups[H6-G1]",
+                                                    outcome="passed", worst=0.5)]
+        return rows, 0.0, 0
+    monkeypatch.setattr(conformance, "run_provider", fake_run)
+    monkeypatch.setattr(conformance, "ROOT", tmp_path)
+    status = conformance.main(["--ops", "vendored,mamba_ssm", "--parallel", "2", "--doc", "", "--out", "kc"])
+    assert status == 1 and sorted(started) == ["mamba_ssm", "vendored"]
+    body = (tmp_path / "kc" / "table.md").read_text()
+    assert "Crashed before any test ran (no report; OUT/<provider>.log): mamba_ssm." in body
+    assert "| pass 1, 0.5× | — |" in body
+    with pytest.raises(SystemExit):
+        conformance.parse_args(["--parallel", "0"])
+
+
+def test_large_gpu_memory_tests_take_a_lock_across_processes(tmp_path, monkeypatch):
+    # two pytest processes on one GPU (conformance --parallel) must not run their large tests at once
+    import conftest
+    lock = tmp_path / "gpu.lock"
+    monkeypatch.setattr(conftest, "GPU_LOCK", str(lock))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    probe = ("import fcntl, sys\nf = open(sys.argv[1], 'a')\n"
+             "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)\n")
+
+    def other_process_can_lock() -> bool:
+        rc = subprocess.run([sys.executable, "-c", probe, str(lock)], timeout=60).returncode
+        assert rc in (0, 3), rc
+        return rc == 0
+
+    class Node:
+        def __init__(self, groups):
+            self.groups = groups
+
+        def iter_markers(self, name):
+            return [pytest.mark.xdist_group(g).mark for g in self.groups] if name == "xdist_group" else []
+
+    class Request:
+        def __init__(self, groups):
+            self.node = Node(groups)
+
+    with conftest._large_gpu_memory_lock(Request([conftest.LARGE_GPU_MEMORY])):
+        assert not other_process_can_lock()
+    assert other_process_can_lock()
+    with conftest._large_gpu_memory_lock(Request(["something-else"])):      # other tests take no lock
+        assert other_process_can_lock()
