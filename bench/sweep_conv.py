@@ -3,7 +3,7 @@
     python -m bench.sweep_conv --out out/sweep-conv --peers .peers          # CUDA machine; < 2 min on an H200
     TRITON_INTERPRET=1 python -m bench.sweep_conv --smoke --out /tmp/sweep  # CPU: the machinery on tiny shapes
 
-Each candidate replaces `_prefill_launch` or `_update_launch` of vendored/ops/causal_conv1d_launch.py (the one
+Each candidate replaces `_prefill_launch` or `_update_launch` of vendored/ops/causal_conv1d.py (the one
 function that chooses that op's tiles, warps and programmatic dependent launch) while its case runs. Its outputs
 after one call from the fresh state must equal those of the default choice bit for bit (y and the written slots): a
 candidate that differs is marked and not ranked. Timing as bench/kernels.py does it: triton.testing.do_bench
@@ -31,11 +31,11 @@ import torch
 
 from bench.kernel_cases import BAMBA_9B, SMOKE, Case, Setup, conv_case, conv_update_case
 from bench.kernels import load_peers, time_call
-from vendored.ops.causal_conv1d_launch import PrefillLaunch, UpdateLaunch
+from vendored.ops.causal_conv1d import PrefillLaunch, UpdateLaunch
 
-# the module in which the ops look up their launch choosers at every call (vendored/ops/causal_conv1d.py holds the
+# the module in which the ops look up their launch choosers at every call (vendored/ops/causal_conv1d_kernels.py holds the
 # kernels)
-conv_module = importlib.import_module("vendored.ops.causal_conv1d_launch")
+conv_module = importlib.import_module("vendored.ops.causal_conv1d")
 
 # 2-D tiles (block_t, block_c, num_warps): 16 to 64 tokens, 128 to 512 channels, 2 to 8 warps (16 to 64 elements a
 # thread), programs along the channels; two along the tokens. Row kernel (block_t, block_c, num_warps,

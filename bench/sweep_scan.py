@@ -1,4 +1,4 @@
-"""Launch and structure sweep of our SSD scan on a GPU: candidate `_Blocks` of vendored/ops/ssd_scan_launch.py timed
+"""Launch and structure sweep of our SSD scan on a GPU: candidate `_Blocks` of vendored/ops/ssd_scan.py timed
 side by side with vLLM's scan and fla's chunk_simple_gla on the same inputs, plus where the time goes, kernel by kernel,
 for ours and for the peers, and the launches the peers' autotuners picked.
 
@@ -28,8 +28,8 @@ import torch
 from bench.kernel_cases import BAMBA_9B, Setup, scan_case
 from bench.kernels import load_peers, max_abs_diff
 
-# the module in which ssd_scan looks up `_block_sizes` at every call (vendored/ops/ssd_scan.py holds the kernels)
-scan_module = importlib.import_module("vendored.ops.ssd_scan_launch")
+# the module in which ssd_scan looks up `_block_sizes` at every call (vendored/ops/ssd_scan_kernels.py holds the kernels)
+scan_module = importlib.import_module("vendored.ops.ssd_scan")
 
 CASES = ((32768, 1), (8192, 8), (2048, 1))
 # candidates whose time is also broken down kernel by kernel (CUDA profiler), and the peers'

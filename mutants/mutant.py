@@ -14,7 +14,7 @@ fails loudly instead of planting something else. File format (TOML; ''' strings 
                                                              # its edits are to the peer's vendored copy in .peers
 
     [[edit]]
-    file = "vendored/ops/causal_conv1d.py"
+    file = "vendored/ops/causal_conv1d_kernels.py"
     anchor = '''...exact text...'''
     replacement = '''...'''
 """

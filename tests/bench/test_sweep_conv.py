@@ -13,7 +13,7 @@ import bench.kernel_cases as kernel_cases
 from bench.sweep_conv import main
 
 # where causal_conv1d_update looks up _update_launch, the chooser the sweep replaces
-conv_module = importlib.import_module("vendored.ops.causal_conv1d_launch")
+conv_module = importlib.import_module("vendored.ops.causal_conv1d")
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is for the CPU interpreter"),

@@ -14,7 +14,7 @@ from tests.kernels.providers import OPS
 
 # The module in which causal_conv1d looks up its launch choice, _prefill_launch, at every call: a chooser replaced
 # there changes the launch (vendored/ops/causal_conv1d.py holds the kernels and only re-exports the ops).
-conv_module = importlib.import_module("vendored.ops.causal_conv1d_launch")
+conv_module = importlib.import_module("vendored.ops.causal_conv1d")
 
 K = 2.0
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}

@@ -1,10 +1,12 @@
-"""Each file of vendored/ops reads in one sitting (issue 49): at most 500 lines. A kernel file holds the math; the
-launch choices and the host side (argument checks, grids, the Python wrapper) live in modules of their own beside it,
-e.g. ssd_scan_launch.py and causal_conv1d_launch.py, and the ops stay importable from where they always were."""
+"""Each file of vendored/ops reads in one sitting (issue 49): at most 500 lines. A kernel module holds the math
+(ssd_scan_kernels.py, causal_conv1d_kernels.py); the launch choices and the host side (argument checks, grids, the
+ops themselves) live in the op's own module beside it (ssd_scan.py, causal_conv1d.py), which imports the kernels and
+is never imported by them (tests/test_import_graph.py)."""
 
 from __future__ import annotations
 
 import importlib
+import types
 from pathlib import Path
 
 OPS_DIR = Path(__file__).resolve().parents[2] / "vendored" / "ops"
@@ -20,27 +22,32 @@ def test_no_op_file_is_over_500_lines():
                           "module of their own beside the kernels (as ssd_scan_launch.py)")
 
 
-def test_the_ops_stay_importable_from_their_kernel_modules():
-    """The engine and bench/ import the ops from the kernel modules and from vendored.ops: the same functions the
-    host modules define."""
+def test_the_ops_are_importable_from_where_they_always_were():
+    """The engine, bench/ and the peers' adapters import the ops from vendored.ops and from the op modules."""
     ops = importlib.import_module("vendored.ops")
-    scan, scan_launch = (importlib.import_module(f"vendored.ops.{m}") for m in ("ssd_scan", "ssd_scan_launch"))
-    conv, conv_launch = (importlib.import_module(f"vendored.ops.{m}")
-                         for m in ("causal_conv1d", "causal_conv1d_launch"))
-    assert scan.ssd_scan is scan_launch.ssd_scan is ops.ssd_scan
-    for name in ("causal_conv1d", "causal_conv1d_update"):
-        assert getattr(conv, name) is getattr(conv_launch, name) is getattr(ops, name)
-    for name in ("PrefillLaunch", "UpdateLaunch"):
-        assert getattr(conv, name) is getattr(conv_launch, name)
-
-
-def test_the_kernel_modules_do_not_re_export_the_launch_choosers():
-    """A test or sweep replaces a launch chooser in the module where the op looks it up at call time (the host
-    module). Were the kernel module to carry the name too, a replacement aimed there would change nothing, silently;
-    without it, monkeypatch.setattr raises."""
     scan = importlib.import_module("vendored.ops.ssd_scan")
     conv = importlib.import_module("vendored.ops.causal_conv1d")
-    for name in ("_block_sizes", "_Blocks", "_logical_chunks"):
+    assert scan.ssd_scan is ops.ssd_scan
+    for name in ("causal_conv1d", "causal_conv1d_update"):
+        assert getattr(conv, name) is getattr(ops, name)
+
+
+def test_the_kernel_modules_hold_kernels_and_no_launch_choices():
+    """A test or sweep replaces a launch chooser in the module where the op looks it up at call time (the host
+    module). Were the kernel module to carry the name too, a replacement aimed there would change nothing, silently;
+    without it, monkeypatch.setattr raises. The kernel modules define Triton kernels and the helpers they call only."""
+    import triton
+    scan = importlib.import_module("vendored.ops.ssd_scan_kernels")
+    conv = importlib.import_module("vendored.ops.causal_conv1d_kernels")
+    for name in ("ssd_scan", "_block_sizes", "_Blocks", "_logical_chunks"):
         assert not hasattr(scan, name), name
-    for name in ("_prefill_launch", "_update_launch", "LAUNCH_CHOOSERS"):
+    for name in ("causal_conv1d", "causal_conv1d_update", "_prefill_launch", "_update_launch", "LAUNCH_CHOOSERS",
+                 "PrefillLaunch", "UpdateLaunch"):
         assert not hasattr(conv, name), name
+    for module in (scan, conv):
+        names = {k: v for k, v in vars(module).items()
+                 if not k.startswith("__") and not isinstance(v, types.ModuleType) and k != "annotations"}
+        not_kernels = [k for k, v in names.items() if not isinstance(v, triton.runtime.jit.KernelInterface)]
+        assert not not_kernels, f"{module.__name__} holds more than @triton.jit functions: {not_kernels}"
+        own = [k for k, v in names.items() if getattr(getattr(v, "fn", None), "__module__", None) == module.__name__]
+        assert len(own) >= 5, (module.__name__, own)

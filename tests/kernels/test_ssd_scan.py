@@ -211,7 +211,7 @@ def test_launch_variants(variant, monkeypatch):
     """Chunks of 72 (two row tiles of 64 under the interpreter), head_dim 80 (two head-dim tiles, the second mostly
     masked), a sequence across three chunks between two shorter ones."""
     import importlib
-    module = importlib.import_module("vendored.ops.ssd_scan_launch")
+    module = importlib.import_module("vendored.ops.ssd_scan")
     chosen = module._block_sizes
 
     def varied(*args):
@@ -228,7 +228,7 @@ def test_launch_variants(variant, monkeypatch):
 @pytest.mark.vendored_only("our scan's launch structures")
 def test_stage_4_column_step_must_divide_its_rows(monkeypatch):
     import importlib
-    module = importlib.import_module("vendored.ops.ssd_scan_launch")
+    module = importlib.import_module("vendored.ops.ssd_scan")
     chosen = module._block_sizes
     monkeypatch.setattr(module, "_block_sizes", lambda *args: chosen(*args)._replace(c=1, h=1, m=64, scan_k=48))
     with pytest.raises(ValueError, match=r"stage 4's column step \(48\) does not divide its rows \(64\)"):
@@ -255,7 +255,7 @@ def test_rounded_products(case, dtype, state_dtype, launch, monkeypatch):
     if launch == "gpu-tile-kernels":
         OPS.internal("our scan's launch structures")
         import importlib
-        module = importlib.import_module("vendored.ops.ssd_scan_launch")
+        module = importlib.import_module("vendored.ops.ssd_scan")
         chosen = module._block_sizes
         monkeypatch.setattr(module, "_block_sizes", lambda *args: chosen(*args)._replace(c=1, h=1))
     check_against_twin(ROUNDED_CASES[case], dtype, state_dtype, products="rounded")
@@ -292,7 +292,7 @@ def test_rejects_an_unknown_precision_mode():
 @pytest.mark.vendored_only("our scan's launch structures")
 def test_stage_4_rows_may_not_exceed_the_cb_tiles(monkeypatch):
     import importlib
-    module = importlib.import_module("vendored.ops.ssd_scan_launch")
+    module = importlib.import_module("vendored.ops.ssd_scan")
     chosen = module._block_sizes
     monkeypatch.setattr(module, "_block_sizes", lambda *args: chosen(*args)._replace(scan_m=2 * chosen(*args).m))
     with pytest.raises(ValueError, match=r"stage 4's rows \(\d+\) exceed the C·Bᵀ tile"):
@@ -544,7 +544,7 @@ def logical_chunks_torch(cu_seqlens: torch.Tensor, chunk_size: int, n_tokens: in
 def test_logical_chunks_match_their_definition(lengths, chunk_size):
     """Stage 0 (one kernel) against the definition, every slot: empty sequences own no chunk, more sequences than one
     block of the kernel (70 and 130) carry the running count across blocks."""
-    from vendored.ops.ssd_scan_launch import _logical_chunks
+    from vendored.ops.ssd_scan import _logical_chunks
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     chunk_start, chunk_len, seq_chunks = _logical_chunks(cu, chunk_size, sum(lengths))
     start, length, firsts = logical_chunks_torch(cu, chunk_size, sum(lengths))

@@ -58,10 +58,10 @@ CAPPED_SPILL_BYTES = 32
 TENSOR_CORE_KERNELS = ("_ssd_chunk_state_fwd_kernel", "_ssd_bmm_chunk_fwd_kernel", "_ssd_chunk_scan_fwd_kernel",
                        "_ssd_chunk_scan_tile_kernel", "_ssd_chunk_state_tile_kernel")
 # The modules that hold each op's host function and launch choosers, and import the kernels it launches (the scan's
-# and the convs' kernels are in modules of their own: vendored/ops/ssd_scan*.py, causal_conv1d.py).
+# and the convs' kernels are in modules of their own: vendored/ops/ssd_scan_kernels.py, ssd_scan_tiles.py, causal_conv1d_kernels.py).
 OP_MODULES = [importlib.import_module(f"vendored.ops.{name}")
-              for name in ("causal_conv1d_launch", "decode_attention", "rms_norm", "rms_norm_gated", "rotary",
-                           "selective_state_update", "silu_mul", "ssd_scan_launch")]
+              for name in ("causal_conv1d", "decode_attention", "rms_norm", "rms_norm_gated", "rotary",
+                           "selective_state_update", "silu_mul", "ssd_scan")]
 
 # Bamba-9B's mixer widths; a few tokens are enough, the compiled code does not depend on how many.
 H, P, N, G, W, Q = 128, 64, 128, 1, 4, 256
@@ -170,7 +170,7 @@ def call_every_op(dtype: torch.dtype, label: Callable[[str], None]) -> None:
     label("causal_conv1d_update, channel-last pool")
     causal_conv1d_update(randn(3, C), randn(4, W - 1, C).transpose(1, 2), randn(C, W), randn(C), index(1, -1, 2))
     # the other prefill kernel, a launch choice bench/sweep_conv.py times: 2-D tiles (rows_per_step = 0)
-    conv_module = importlib.import_module("vendored.ops.causal_conv1d_launch")
+    conv_module = importlib.import_module("vendored.ops.causal_conv1d")
     choose = conv_module._prefill_launch
     conv_module._prefill_launch = lambda *args: choose(*args)._replace(rows_per_step=0, block_t=32, num_warps=4)
     try:

@@ -1,7 +1,7 @@
-"""How the SSD scan's products keep fp32 accuracy whatever the input dtypes (vendored/ops/ssd_scan.py's docstring
-says why and when): _dot, one product in one of the ways its table lists, chosen on the host for each product
-(vendored/ops/ssd_scan_launch.py); _bdot, its batched form; and the exact bf16 split (_bf16x3) behind the
-tensor-core products of an fp32 operand.
+"""How the SSD scan's products keep fp32 accuracy whatever the input dtypes (the docstring of
+vendored/ops/ssd_scan_kernels.py says why and when): _dot, one product in one of the ways its table lists, chosen on
+the host for each product (vendored/ops/ssd_scan.py); _bdot, its batched form; and the exact bf16 split (_bf16x3)
+behind the tensor-core products of an fp32 operand.
 """
 
 from __future__ import annotations

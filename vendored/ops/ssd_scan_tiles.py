@@ -1,4 +1,4 @@
-"""Stages 2 and 4 of the SSD scan as the GPU runs them (vendored/ops/ssd_scan.py has the algorithm, and those stages'
+"""Stages 2 and 4 of the SSD scan as the GPU runs them (vendored/ops/ssd_scan_kernels.py has the algorithm, and those stages'
 batched forms, which the interpreter runs): one chunk and one head a program, 2-D tiles, which Triton maps onto
 Hopper's wgmma, every address a scalar base plus tile offsets. The interpreter's tests run them too, with a launch
 of one chunk and head a program (tests/kernels/test_ssd_scan.py).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ssd_scan import _state_tile
+from .ssd_scan_kernels import _state_tile
 from .ssd_scan_products import _dot
 
 
