@@ -102,6 +102,40 @@ def test_contexts_at_every_edge(n_q_heads, n_kv_heads, block_size, width):
     check(*case, block_size=block_size)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=[gpu, needs_gpu])],
+                         ids=["fp32", "bf16"])
+def test_batch_invariant_rows_do_not_depend_on_the_batch_or_the_table_width(dtype):
+    """batch_invariant=True: every row of a call the same bits as that row alone, as that row beside others in
+    another order, and with a table twice as wide (more, dead, splits in the default launch); still the twin's
+    values, every element. The default launch splits by the batch size: the same rows alone and together take
+    different splits there (checked), which is what the flag removes."""
+    width, block_size = 12, 16
+    lens = [0, 1, 17, 40, 95, 150, width * block_size]
+    q, k_cache, v_cache, tables, ctx = make_case(lens, n_q_heads=4, n_kv_heads=2, head_dim=32, block_size=block_size,
+                                                 width=width, dtype=dtype, seed=7)
+    scale = 32 ** -0.5
+
+    def call(rows, table_width=width):
+        wide = torch.cat([tables[rows], tables[rows][:, :1].expand(-1, table_width - width)], 1)
+        return decode_attention(q[rows], k_cache, v_cache, wide, ctx[rows], block_size=block_size, scale=scale,
+                                batch_invariant=True)
+
+    every = list(range(len(lens)))
+    together = call(every)
+    ref64 = decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, ctx,
+                                 block_size=block_size, scale=scale)
+    ref_low = decode_attention_ref(q, k_cache, v_cache, tables, ctx, block_size=block_size, scale=scale)
+    assert_three_way("batch-invariant out", together, ref64, ref_low, k=K, atol=ATOL[dtype])
+    shuffled = every[::-1]
+    for row in every:
+        assert torch.equal(call([row])[0], together[row]), f"row {row} alone"
+    assert torch.equal(call(shuffled), together[shuffled]), "rows in another order"
+    assert torch.equal(call(every, 2 * width), together), "a table twice as wide"
+    device = torch.device(DEVICE)
+    assert module._launch(1, 2, width * block_size, device).splits != module._launch(len(lens), 2, width * block_size,
+                                                                                     device).splits
+
+
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 48, 64, 128])
 def test_head_dims(head_dim):
     """The head dims of the repository's configs: 8 (tests/helpers.py), 16, 32, 48 (not a power of two: masked),

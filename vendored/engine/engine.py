@@ -86,6 +86,9 @@ class LLMEngine:
     most tokens one prefill piece takes in a step (vLLM's knob), so that several prompts advance in the same step.
     run_ahead: CUDA-graph decode steps run one step ahead of their results (step()); False reads every step back
     before the next (the same outputs, for comparison).
+    batch_invariant: every request's logprobs and tokens the same bits whatever else shares its steps, however its
+    prefill is split, after a preemption, with or without CUDA graphs (vendored/engine/invariant.py; slower); not
+    with tensor or pipeline parallelism.
     """
 
     def __init__(self, checkpoint: str | Path, *, dtype="float32", device="cpu", max_num_batched_tokens: int = 512,
@@ -93,7 +96,7 @@ class LLMEngine:
                  block_size: int = 16, ssm_state_dtype="float32", allow_long_context: bool = False,
                  cuda_graphs: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  parallel_timeout_s: float = 600.0, long_prefill_token_threshold: int | None = None,
-                 run_ahead: bool = True) -> None:
+                 run_ahead: bool = True, batch_invariant: bool = False) -> None:
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size), ("tensor_parallel_size", tensor_parallel_size),
                             ("pipeline_parallel_size", pipeline_parallel_size)):
@@ -117,6 +120,12 @@ class LLMEngine:
             raise EngineError(f"max_model_len = {self.max_model_len} exceeds max_position_embeddings = {limit}; "
                               "pass allow_long_context=True to go beyond")
         parallel = tensor_parallel_size * pipeline_parallel_size > 1
+        if not isinstance(batch_invariant, bool):
+            raise EngineError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
+        if parallel and batch_invariant:
+            raise EngineError("batch_invariant: not with tensor_parallel_size = "
+                              f"{tensor_parallel_size}, pipeline_parallel_size = {pipeline_parallel_size} (the "
+                              "order of a cross-rank sum is the collective library's choice); pass 1 and 1")
         if parallel and cuda_graphs:
             raise EngineError("cuda_graphs: decode graphs are captured for a single rank; with tensor_parallel_size = "
                               f"{tensor_parallel_size}, pipeline_parallel_size = {pipeline_parallel_size} pass "
@@ -138,7 +147,7 @@ class LLMEngine:
                 timeout_s=parallel_timeout_s)
         else:
             self.model = BambaEngineModel(self.cfg, tensors, dtype=self.dtype, device=self.device,
-                                          max_positions=self.max_model_len)
+                                          max_positions=self.max_model_len, batch_invariant=batch_invariant)
         self.graphs = DecodeGraphRunner(self.model, self.states, self.kv, max_num_seqs=max_num_seqs,
                                         max_model_len=self.max_model_len) if cuda_graphs else None
         self.scheduler = Scheduler(self.states, self.kv, max_num_batched_tokens=max_num_batched_tokens,
@@ -146,6 +155,7 @@ class LLMEngine:
         self._arrivals = 0
         self._in_flight: set[str] = set()          # ids added and not yet finished: outputs are matched by id
         self.run_ahead = run_ahead
+        self.batch_invariant = batch_invariant
         self._ahead: _Ahead | None = None          # a decode step queued and not yet read back (step)
         self._result_buffers: list[torch.Tensor | None] = [None, None]
         self._result_turn = 0

@@ -20,6 +20,7 @@ from vendored.ops.selective_state_update import selective_state_update
 from vendored.ops.silu_mul import silu_mul
 from vendored.ops.ssd_scan import ssd_scan
 
+from . import invariant
 from .cache import KVCache, StatePool
 from .paged_attention import masked_attention, paged_decode_attention
 from .ranking import top_k
@@ -90,12 +91,15 @@ def _norm_torch(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 class BambaEngineModel:
     """The model of one engine step. layers: the decoder layers this instance holds (all by default; a pipeline
-    stage holds a contiguous range, and `tensors` need only have the weights of those layers)."""
+    stage holds a contiguous range, and `tensors` need only have the weights of those layers). batch_invariant:
+    every row's arithmetic independent of the rest of the step (vendored/engine/invariant.py)."""
 
     def __init__(self, cfg: EngineModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                 device: torch.device, max_positions: int, layers: range | None = None) -> None:
+                 device: torch.device, max_positions: int, layers: range | None = None,
+                 batch_invariant: bool = False) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        self.fused = device.type == "cuda" or FUSED_OPS_ON_CPU
+        self.batch_invariant = batch_invariant
+        self.fused = device.type == "cuda" or FUSED_OPS_ON_CPU or batch_invariant
         self.layers = range(cfg.num_layers) if layers is None else layers
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
         for i in (i for i in cfg.mamba_layers if i in self.layers):
@@ -163,14 +167,18 @@ class BambaEngineModel:
             h = h[batch.logits_rows]
             delta = None if delta is None else delta[batch.logits_rows]
         h = self._add_norm(h, delta, self.w[self.cfg.final_norm_key], self.cfg.rms_norm_eps)[1]
-        logits = F.linear(h, self.w["lm_head.weight"])
+        logits = self._mm(h, self.w["lm_head.weight"])
         if raw and self.cfg.logits_scaling == 1:
             return logits
         logits = logits.float()
         return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1 else logits
 
+    def _mm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x · weightᵀ (+ bias): in batch-invariant mode by tiles of a fixed number of rows (invariant.linear)."""
+        return invariant.linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
+
     def _linear(self, x, name):
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return self._mm(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _output_linear(self, x, name):
         """An output projection (out_proj, o_proj, down_proj): the one place where a tensor-parallel shard sums its
@@ -201,7 +209,9 @@ class BambaEngineModel:
             selective_state_update(ssm_pool, xs.reshape(n_dec, H, P), dt[:n_dec], self.w[p + "A"],
                                    B.reshape(n_dec, G, N), C.reshape(n_dec, G, N), state_indices=batch.decode_slots,
                                    pad_slot_id=states.pad_slot, out=y[:n_dec], **common)
-        if T > n_dec:
+        if T > n_dec and self.batch_invariant:
+            self._prefill_token_by_token(i, xBC[n_dec:], dt[n_dec:], y[n_dec:], batch, states, common)
+        elif T > n_dec:
             t_pre = T - n_dec
             xbc = causal_conv1d(xBC[n_dec:].contiguous(), conv_w, conv_b, conv_pool, batch.prefill_cu_seqlens,
                                 batch.prefill_slots, batch.prefill_has_initial_state, "silu", check_indices=False)
@@ -214,6 +224,30 @@ class BambaEngineModel:
                 check_indices=False, **common).to(x.dtype)
         y = self._gated_norm(i, y.reshape(T, H * P), z)                                  # z: strided columns
         return self._output_linear(y, p + "out_proj")
+
+    def _prefill_token_by_token(self, i: int, xBC: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
+                                batch: StepBatch, states: StatePool, common: dict) -> None:
+        """The prefill pieces of mamba layer i as decode steps, one token of every piece at a time, writing y
+        (T_prefill, H, P) in place (batch-invariant mode: invariant.py). A piece without an initial state starts
+        from a zeroed slot, as the scan starts from zeros."""
+        cfg, p = self.cfg, f"model.layers.{i}.mamba."
+        H, P, G, N = cfg.n_heads, cfg.head_dim, cfg.n_groups, cfg.d_state
+        conv_pool, ssm_pool = states.conv[i], states.ssm[i]
+        slots = batch.prefill_slots.long()
+        fresh = slots[~batch.prefill_has_initial_state]
+        conv_pool[fresh] = 0
+        ssm_pool[fresh] = 0
+        for rows, pieces in invariant.token_steps(batch.prefill_cu_seqlens.tolist()):
+            rows, pieces = rows.to(xBC.device), pieces.to(xBC.device)
+            n, row_slots = len(rows), batch.prefill_slots[pieces]
+            xbc = causal_conv1d_update(xBC[rows], conv_pool, self.w[p + "conv_w"], self.w.get(p + "conv1d.bias"),
+                                       row_slots, "silu", pad_slot_id=states.pad_slot)
+            xs, B, C = xbc.split([H * P, G * N, G * N], dim=-1)
+            out = torch.empty(n, H, P, dtype=y.dtype, device=y.device)
+            selective_state_update(ssm_pool, xs.reshape(n, H, P), dt[rows], self.w[p + "A"], B.reshape(n, G, N),
+                                   C.reshape(n, G, N), state_indices=row_slots, pad_slot_id=states.pad_slot, out=out,
+                                   **common)
+            y[rows] = out
 
     def _rope(self, t: torch.Tensor, positions: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """NeoX rotate-half on the first R dims of the first `heads` heads (default all; none rotated under NoPE),
@@ -268,8 +302,15 @@ class BambaEngineModel:
         v_cache.index_copy_(0, batch.kv_slot_mapping, v)
         if batch.static_decode:
             out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                         block_size=kv.block_size, scale=scale, fused=self.fused)   # (T, Hq, Dh)
+                                         block_size=kv.block_size, scale=scale, fused=self.fused,
+                                         batch_invariant=self.batch_invariant)                  # (T, Hq, Dh)
             return self._linear(out.reshape(-1, Hq * Dh), p + "o_proj")
+        if self.batch_invariant:                      # every query a decode row over its own position + 1 keys
+            q_lens = batch.query_start[1:] - batch.query_start[:-1]
+            seq = torch.repeat_interleave(torch.arange(len(q_lens), device=x.device), q_lens)
+            out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables[seq], batch.positions + 1,
+                                         block_size=kv.block_size, scale=scale, fused=True, batch_invariant=True)
+            return self._output_linear(out.reshape(-1, Hq * Dh), p + "o_proj")
 
         # Gather every sequence's context into a padded (n_seq, L, ...) view and attend with one masked call.
         n_seq = batch.context_lens.shape[0]
@@ -306,7 +347,7 @@ class BambaEngineModel:
         output reduction a tensor-parallel rank does (each rank holds a slice of every expert's channels)."""
         p = f"model.layers.{i}."
         gate_up = self._linear(x, p + "shared_mlp.input_linear")                            # gate rows first
-        out = F.linear(self._silu_mul(gate_up), self.w[p + "shared_mlp.output_linear.weight"])
+        out = self._mm(self._silu_mul(gate_up), self.w[p + "shared_mlp.output_linear.weight"])
         if self.cfg.num_experts:
             out = out + self._experts(i, x, static=batch.static_decode)
         return self._reduce(out)
@@ -321,7 +362,7 @@ class BambaEngineModel:
         (static shapes) every expert runs on every row and the unchosen get weight 0."""
         p = f"model.layers.{i}.block_sparse_moe."
         w_in, w_out = self.w[p + "input_linear.weight"], self.w[p + "output_linear.weight"]   # (E, 2I, D), (E, D, I)
-        logits = F.linear(x.float(), self.w[p + "router.layer.weight"].float())              # (T, E)
+        logits = self._mm(x.float(), self.w[p + "router.layer.weight"].float())              # (T, E)
         top_logits, chosen = top_k(logits, self.cfg.experts_per_tok)                         # ties: lower index
         weights = torch.softmax(top_logits, dim=-1).to(x.dtype)                               # (T, k)
         out = torch.zeros_like(x)
@@ -334,6 +375,6 @@ class BambaEngineModel:
                 if rows.numel() == 0:
                     continue
                 weight = weights[rows, slot]
-            gate, up = F.linear(x[rows], w_in[e]).chunk(2, dim=-1)
-            out.index_add_(0, rows, F.linear(F.silu(gate) * up, w_out[e]) * weight[:, None])
+            gate, up = self._mm(x[rows], w_in[e]).chunk(2, dim=-1)
+            out.index_add_(0, rows, self._mm(F.silu(gate) * up, w_out[e]) * weight[:, None])
         return out

@@ -51,7 +51,7 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, *, block_size: int, scale: float,
-                           fused: bool = False) -> torch.Tensor:
+                           fused: bool = False, batch_invariant: bool = False) -> torch.Tensor:
     """One query per row, attending over that row's cached context (the query's own key included).
 
     q (B, Hq, Dh), the query at position context_lens[b]-1; k_cache, v_cache (num_blocks·block_size, Hkv, Dh), the
@@ -64,9 +64,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     output, without a copy): scores, softmax and P·V in fp32, one rounding at the end, and table entries past a
     context never read. Otherwise the torch code: scores and softmax in at least fp32, the probabilities rounded to
     q's dtype before P·V.
+
+    batch_invariant (fused only): one split per row, so that a row's output does not depend on the batch
+    (decode_attention's flag).
     """
     if fused:
-        return decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size=block_size, scale=scale)
+        return decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size=block_size, scale=scale,
+                                batch_invariant=batch_invariant)
+    if batch_invariant:
+        raise ValueError("batch_invariant: the torch expression reduces over the table's full width; pass fused=True")
     n_rows, n_q_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[1]
     width = block_tables.shape[1] * block_size                                          # L

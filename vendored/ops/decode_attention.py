@@ -226,7 +226,8 @@ def _expect(name: str, what: str, expected, got) -> None:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, *, block_size: int, scale: float) -> torch.Tensor:
+                     context_lens: torch.Tensor, *, block_size: int, scale: float,
+                     batch_invariant: bool = False) -> torch.Tensor:
     """One query per row, attending over that row's cached context (the query's own key included).
 
     q (B, Hq, Dh), the query at position context_lens[b]-1, any strides (a view of a merged q/k/v projection);
@@ -243,6 +244,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     attends over the table's M·block_size keys only, a negative one is a padding row, and a key inside a context
     whose table entry lies outside the cache is not read and makes its row NaN. Whether M·block_size keys fit the
     cache, row by row, is not checked either (it would need the table's values on the host).
+
+    batch_invariant: each row's output the same bits whatever the other rows, the batch size and the table width
+    (vendored/engine's batch-invariant mode): one split per row, whose program runs the row's own context tile by
+    tile in order, where the default launch splits the keys by the batch size (more splits for fewer rows) and merges
+    the splits' partials in a reduction whose shape follows the table width.
     """
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                "context_lens": context_lens}
@@ -289,6 +295,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = n_q_heads // n_kv_heads
     width_keys = block_tables.shape[1] * block_size
     launch = _launch(n_rows, n_kv_heads, width_keys, q.device)
+    if batch_invariant:
+        launch = launch._replace(keys_per_split=cdiv(max(width_keys, 1), launch.block_n) * launch.block_n, splits=1)
     rows_pad = max(MIN_DOT, next_power_of_2(group))
     block_d = max(MIN_DOT, next_power_of_2(head_dim))
     if launch.splits > 1:
