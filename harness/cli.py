@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="checkpoint directory (repeatable: several models in one run)")
     compare.add_argument("--scenarios", action="append", default=None,
                          help="comma-separated kinds, aliases (representative, boundary-events) and/or scenario ids; "
-                              "a leading - leaves one out; once, or once per --checkpoint (default: all)")
+                              "a leading - leaves one out; once, or once per --checkpoint (default: all, which "
+                              "leaves out slow and opt-in scenarios: invariance runs only when named)")
     compare.add_argument("--jobs", type=int, default=1,
                          help="worker processes that run scenarios side by side (default 1: in this process)")
     compare.add_argument("--dtype", default="float32", help="the candidate's dtype (float32, bfloat16, ...)")
@@ -464,11 +465,12 @@ def _worker_job(run: dict, scenario_id: str, job: int) -> tuple[dict, object, fl
 
 
 def planned_steps(scenario) -> int:
-    """The engine steps a scenario's workload takes under its options (harness/schedule.py): the weight of its
-    share of the progress bar and of the order in which workers take scenarios (the longest first)."""
+    """The engine steps a scenario's workload takes under its options (harness/schedule.py; an invariance
+    scenario's, under each of its configurations): the weight of its share of the progress bar and of the order in
+    which workers take scenarios (the longest first)."""
     from .schedule import plan_options, plan_steps
 
-    return max(1, len(plan_steps(scenario.shapes, **plan_options(scenario.options))))
+    return max(1, sum(len(plan_steps(shapes, **plan_options(options))) for _, options, shapes in scenario.workloads()))
 
 
 def _compare_pool(runs: list, jobs: int) -> int:
@@ -598,7 +600,7 @@ def _list(args) -> int:
         print(f"engine {name:14s} {'available' if problem is None else 'unavailable: ' + problem}")
     print(f"\nscenarios for Q = {cfg.mamba_chunk_size}, W = {cfg.mamba_d_conv}, G = {cfg.mamba_n_groups}:")
     for s in build_scenarios(cfg):
-        print(f"  {s.id:34s} {'(slow) ' if s.slow else ''}{s.about}")
+        print(f"  {s.id:34s} {'(slow) ' if s.slow else ''}{'(opt-in) ' if s.opt_in else ''}{s.about}")
     for name, problem in available_engines().items():
         loaded = _load(name)
         own = loaded.engine_scenarios(cfg) if not isinstance(loaded, str) else []

@@ -45,6 +45,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+FLAG_VALUES = _ON + _OFF
+
+
+def engine_flag(value) -> bool | None:
+    """An on/off engine arg (`--engine-arg KEY=VALUE` gives a string; code may pass a bool or 0/1): True, False, or
+    None when it is neither."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return True if text in _ON else False if text in _OFF else None
+
+
 class EngineInputError(ValueError):
     """A request no engine can process: empty prompt, token id outside the vocabulary, position past the limit."""
 
@@ -344,6 +357,11 @@ class Engine(abc.ABC):
     families: ClassVar[tuple[str, ...]] = ("bamba",)
     # True for engines that sample a request with a temperature (seeded); the others refuse such requests.
     samples: ClassVar[bool] = False
+    # How the engine's batch-invariant mode is turned on, in one line ("--engine-arg batch_invariant=1"), for an
+    # engine that promises bit-identical results for a request whatever shares its batch, however its prefill is
+    # chunked and after a preemption; None: it promises nothing, and the opt-in `invariance` scenario skips it
+    # unless an engine arg `batch_invariant` is given (harness/runner.py, check_invariance).
+    batch_invariance: ClassVar[str | None] = None
 
     def __init__(self, checkpoint: str | Path, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", options: EngineOptions | None = None) -> None:

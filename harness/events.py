@@ -100,11 +100,17 @@ def plan_events(shapes: Sequence[RequestShape], options: EngineOptions, Q: int, 
     return events
 
 
+def scenario_events(scenario, Q: int, W: int) -> set[str]:
+    """The events a scenario's runs produce: its plan's, or, for one that runs its requests under several
+    configurations (invariance), the union of theirs (Scenario.workloads)."""
+    return set().union(*(plan_events(shapes, options, Q, W) for _, options, shapes in scenario.workloads()))
+
+
 def events_table(scenarios, Q: int, W: int) -> str:
-    """A markdown table: each scenario's id and the events its plan produces (docs/scenarios.md)."""
+    """A markdown table: each scenario's id and the events its runs produce (docs/scenarios.md)."""
     short = {event: f"`{event}`" for event in EVENTS}
     lines = ["| scenario | events |", "| --- | --- |"]
     for s in scenarios:
-        events = plan_events(s.shapes, s.options, Q, W)
+        events = scenario_events(s, Q, W)
         lines.append(f"| `{s.id}` | {', '.join(short[e] for e in EVENTS if e in events) or '-'} |")
     return "\n".join(lines)

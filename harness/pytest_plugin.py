@@ -110,7 +110,9 @@ def selected_engines(config: pytest.Config) -> list[str]:
 def scenario_cases(engines: Iterable[str], model: ModelConfig, kinds: Iterable[str] | None = None) -> list:
     """pytest.param((engine, scenario)) for every engine × scenario of `model` (of the given kinds), marked `slow`
     where the scenario is slow, or where the engine declares itself slow without a GPU and there is none, and
-    skipped where the engine does not serve the model's family (Engine.families)."""
+    skipped where the engine does not serve the model's family (Engine.families). An opt-in scenario (invariance)
+    is a case only where `kinds` names its kind: like `--scenarios all`, every engine × every scenario leaves it
+    out, since it checks a promise an engine makes by declaring it, not correctness."""
     kinds = set(kinds) if kinds is not None else None
     available = available_engines()
     params = []
@@ -121,7 +123,7 @@ def scenario_cases(engines: Iterable[str], model: ModelConfig, kinds: Iterable[s
                                                  f"not {model.model_type}")]
                         if model.model_type not in adapter.families else [])
         for scenario in build_scenarios(model):
-            if kinds is not None and scenario.kind not in kinds:
+            if (scenario.kind not in kinds) if kinds is not None else scenario.opt_in:
                 continue
             marks = [getattr(pytest.mark, m) for m in scenario.marks] + other_family
             params.append(pytest.param((engine, scenario), id=f"{engine}-{scenario.id}",

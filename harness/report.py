@@ -156,6 +156,10 @@ def format_table(entries: list[dict]) -> str:
                      e["verdict"]))
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)] + [0]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    invariance = [line for e in entries if e.get("invariance") for line in invariance_lines(e)]
+    if invariance:
+        lines += ["", "invariance (each configuration's results bit for bit against the baseline configuration's):",
+                  *invariance]
     skipped = [f"  {e['scenario']}: {'; '.join(e['skipped'])}" for e in entries if e["verdict"] == "SKIP"]
     if skipped:
         lines += ["", "skipped:", *skipped]
@@ -163,6 +167,26 @@ def format_table(entries: list[dict]) -> str:
         if e["verdict"] == "ERROR":
             lines += ["", f"{e['scenario']}: {e['error']}"]
     return "\n".join(lines)
+
+
+def invariance_lines(entry: dict) -> list[str]:
+    """An invariance scenario's two parts, for the printed table (a row shows max |Δ| and the like of its baseline
+    configuration against the oracle only): the oracle's verdict on the baseline, and how many configurations were
+    compared and came out identical or different (with the first difference), and which were left out and why."""
+    inv = entry["invariance"]
+    configs = inv["configurations"]
+    compared = [c for c in configs if c["status"] in ("identical", "differs")]
+    differ = [c["name"] for c in compared if c["status"] == "differs"]
+    line = (f"  {entry['scenario']}: baseline {inv['baseline']} against the oracle: "
+            f"{'PASS' if inv['oracle_passed'] else 'FAIL'}; {len(compared)} configurations compared with it: "
+            f"{len(compared) - len(differ)} identical, {len(differ)} differ" + (f" ({', '.join(differ)})" if differ
+                                                                                 else ""))
+    lines = [line]
+    if inv["first_difference"]:
+        lines.append(f"    first difference: {inv['first_difference']['message']}")
+    for name, reasons in inv["left_out"].items():
+        lines.append(f"    left out: {name}: {'; '.join(reasons)}")
+    return lines
 
 
 def figure_labels(document: dict) -> dict:

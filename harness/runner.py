@@ -2,8 +2,9 @@
 
 `Oracle` holds the fp64 reference of one checkpoint (and the reference in lower dtypes, for the budget) and memoises
 results per request, so scenarios that share requests pay for the oracle once. `check_scenario` judges an engine
-against the oracle; `check_relative` judges one engine configuration against another of the same engine;
-`check_against` judges one engine directly against another (vLLM against the vendored engine, say).
+against the oracle (an `invariance` scenario: `check_invariance`, which also compares the engine's runs under
+several configurations bit for bit); `check_relative` judges one engine configuration against another of the same
+engine; `check_against` judges one engine directly against another (vLLM against the vendored engine, say).
 
 Progress: the checks take an optional `progress(stage, steps)` callback. It is called with steps = 0 when the
 scenario enters a stage ("oracle", "budget", the engine's name, ...), and with steps = 1 after every engine step of
@@ -25,9 +26,10 @@ from reference.checkpoint import parameter_count
 
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
-from .compare import ATOL, DEFAULT_K, Budget, NoiseFloor, Report, compare_runs, position_classes
+from .compare import ATOL, DEFAULT_K, Budget, Failure, NoiseFloor, Report, compare_runs, position_classes
 from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
-from .scenarios import PromptSource, Scenario, batching_shapes
+from .invariance import FIELDS, first_difference
+from .scenarios import Configuration, PromptSource, Scenario, batching_shapes
 from .schedule import RequestShape, plan_options, plan_steps
 
 # Full distributions are returned (for exact KL) while one request's rows stay below this many elements.
@@ -285,7 +287,12 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
     """Run `scenario` on `engine` and judge it against the fp64 oracle. Raises ScenarioSkipped with the reasons
     when the engine cannot honour the scenario here. candidate_checkpoint: what the engine loads, where it is not
     the oracle's checkpoint: a finding's counterfactual judges an engine against the oracle of the model it is
-    believed to compute (the same weights, a config field changed: harness/variants.py)."""
+    believed to compute (the same weights, a config field changed: harness/variants.py). An invariance scenario is
+    check_invariance's (so every caller of check_scenario runs every kind)."""
+    if scenario.kind == "invariance":
+        return check_invariance(engine, scenario, oracle=oracle, source=source, dtype=dtype, device=device, k=k,
+                                atol=atol, engine_args=engine_args, top_k=top_k, progress=progress,
+                                candidate_checkpoint=candidate_checkpoint)
     dtype = parse_dtype(dtype)
     engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
                                              source=source, engine_args=engine_args, top_k=top_k)
@@ -363,6 +370,132 @@ def as_teacher_forced(result: RequestResult) -> RequestResult:
                          None if result.output_dists is None else result.output_dists[:0])
 
 
+def check_invariance(engine: str | type[Engine], scenario: Scenario, *, oracle: Oracle, source: PromptSource,
+                     dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     k: float = DEFAULT_K, atol: float | None = None, engine_args: dict | None = None,
+                     top_k: int = 5, progress: Progress | None = None,
+                     candidate_checkpoint: str | Path | None = None) -> Report:
+    """An invariance scenario: the engine runs the scenario's requests under each of its configurations (the first
+    the baseline; harness/scenarios.py, invariance_configurations); the baseline's results are judged against the
+    fp64 oracle as check_scenario judges any scenario's, and every other configuration's results must be
+    bit-identical to the baseline's (harness/invariance.py): the first difference of each configuration that
+    differs is a failure naming the request, the position, the field and both configurations. The report fails if
+    either part does and shows both (meta "invariance": each configuration's outcome, those left out and why).
+
+    Only an engine that declares a batch-invariant mode (Engine.batch_invariance) is held to the promise; one that
+    declares none is skipped, unless engine_args name `batch_invariant` (the user asks for the check anyway). A
+    configuration the engine cannot honour here (CUDA graphs without CUDA, an option it lacks) is left out with its
+    reasons; the scenario is skipped when the baseline cannot run, or no other configuration can."""
+    dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    engine_cls = get_engine(engine) if isinstance(engine, str) else engine
+    declared = getattr(engine_cls, "batch_invariance", None)
+    if not declared and "batch_invariant" not in (engine_args or {}):
+        raise ScenarioSkipped([f"{engine_cls.name} does not declare a batch-invariant mode (Engine.batch_invariance): "
+                               "it promises no bit-identical results across batches, chunking and preemption; "
+                               "--engine-arg batch_invariant=VALUE runs the check anyway"])
+    if not scenario.configurations:
+        raise ValueError(f"{scenario.id}: an invariance scenario without configurations")
+    engine_cls, base_options, requests = _prepare(engine_cls, scenario, dtype=dtype, device=device, source=source,
+                                                  engine_args=engine_args, top_k=top_k)
+    full = _full_distributions(scenario.shapes, source)
+    baseline_config, *others = scenario.configurations
+    runs: list[tuple[Configuration, EngineOptions, list[Request]]] = []
+    left_out: dict[str, list[str]] = {}
+    for config in others:
+        options = replace(config.options, engine_args={**(engine_args or {}), **config.options.engine_args})
+        config_requests = config.requests(requests, source, top_k=top_k, full_distributions=full)
+        reasons = engine_cls.unsupported(options, dtype=dtype, device=device, requests=config_requests)
+        if config.needs_cuda and device.type != "cuda":
+            reasons.insert(0, f"needs a CUDA device, the device is {device}")
+        if reasons:
+            left_out[config.name] = reasons
+        else:
+            runs.append((config, options, config_requests))
+    if not runs:
+        raise ScenarioSkipped([_nothing_to_compare(scenario, baseline_config, left_out)])
+    loaded = Path(candidate_checkpoint) if candidate_checkpoint is not None else oracle.checkpoint
+    with _open(engine_cls, loaded, dtype=dtype, device=device, options=base_options) as candidate:
+        reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
+        if reasons:
+            raise ScenarioSkipped(reasons)
+        reference, budget, noise = _oracle_side(requests, oracle=oracle, source=source, dtype=dtype,
+                                                options=base_options, engine_cls=engine_cls, k=k, atol=atol,
+                                                top_k=top_k, progress=progress)
+        _enter(progress, f"{engine_cls.name} {baseline_config.name}", candidate)
+        baseline = oracle.run_beside(candidate, requests, dtype)
+        report = compare_runs(scenario=scenario.id, requests=requests, baseline=reference, candidate=baseline,
+                              budget=budget, rerun=lambda forced: oracle.run_beside(candidate, forced, dtype),
+                              noise=noise)
+        if candidate.provenance():
+            report.meta["engine_provenance"] = candidate.provenance()
+        hint = getattr(candidate, "oracle_hint", None)        # an engine known to compute another model here
+        text = hint(candidate.cfg, oracle.gated_norm) if hint is not None and not report.passed else None
+        hints = [text] if text else []
+    oracle_passed = report.passed
+    outcomes = {baseline_config.name: {"status": "baseline", "oracle": "PASS" if oracle_passed else "FAIL"}}
+    first = None
+    for config, options, config_requests in runs:
+        try:
+            with _open(engine_cls, loaded, dtype=dtype, device=device, options=options) as other:
+                reasons = other.cannot_run(config_requests)
+                if reasons:
+                    left_out[config.name] = reasons
+                    continue
+                _enter(progress, f"{engine_cls.name} {config.name}", other)
+                results = oracle.run_beside(other, config_requests, dtype)
+        except ScenarioSkipped as skip:                   # options it refuses only once it sees the checkpoint
+            left_out[config.name] = skip.reasons
+            continue
+        difference = first_difference(requests, baseline, results, baseline_name=baseline_config.name,
+                                      other_name=config.name)
+        outcomes[config.name] = {"status": "identical" if difference is None else "differs"}
+        if difference is not None:
+            outcomes[config.name]["first_difference"] = difference.to_dict()
+            first = first or difference
+            report.failures.append(Failure(scenario.id, difference.request_id, difference.position, difference.where,
+                                           "invariance", baseline_name=baseline_config.name,
+                                           detail=difference.detail()))
+    if len(outcomes) == 1:
+        raise ScenarioSkipped([_nothing_to_compare(scenario, baseline_config, left_out)])
+    report.meta["invariance"] = {
+        "baseline": baseline_config.name, "declared": declared, "oracle_passed": oracle_passed,
+        "invariant": first is None, "fields": list(FIELDS),
+        "configurations": [_configuration_entry(c, outcomes.get(c.name), left_out.get(c.name))
+                           for c in scenario.configurations],
+        "left_out": left_out, "first_difference": first.to_dict() if first is not None else None,
+    }
+    if first is not None and declared:
+        hints.append(f"{engine_cls.name} declares its batch-invariant mode as: {declared}; this run's engine args: "
+                     f"{dict(engine_args or {}) or 'none'}")
+    if hints:
+        report.meta["hint"] = "; ".join(hints)
+    report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device),
+                       options={k_: str(v) for k_, v in base_options.non_default().items()})
+    return report
+
+
+def _nothing_to_compare(scenario: Scenario, baseline: Configuration, left_out: dict[str, list[str]]) -> str:
+    return (f"{scenario.id}: no configuration but the baseline ({baseline.name}) can run here, so there is nothing "
+            "to compare it with: " + "; ".join(f"{name}: {', '.join(reasons)}" for name, reasons in left_out.items()))
+
+
+def _configuration_entry(config: Configuration, outcome: dict | None, reasons: list[str] | None) -> dict:
+    """One configuration of an invariance report: what it ran and how it came out ("baseline" with the oracle's
+    verdict on it, "identical", "differs" with its first difference, or "left out" with the reasons)."""
+    entry = {"name": config.name, "about": config.about,
+             "options": {k_: str(v) for k_, v in config.options.non_default().items()},
+             "neighbours": [s.prompt_len for s in config.neighbours], "order_seed": config.order_seed}
+    return entry | (outcome if outcome is not None else {"status": "left out", "reasons": reasons or []})
+
+
+def _refuse_invariance(scenario: Scenario, mode: str) -> None:
+    if scenario.kind == "invariance":
+        raise ScenarioSkipped([f"{scenario.id}: {mode} judges results within a budget; an invariance scenario "
+                               "compares one engine's runs bit for bit and judges its baseline against the oracle "
+                               "(run it without --against)"])
+
+
 def _refuse_sampled(requests: Sequence[Request], mode: str) -> None:
     if any(r.samples for r in requests):
         raise ScenarioSkipped([f"sampled requests: {mode} compares two runs' own continuations position by "
@@ -376,6 +509,7 @@ def check_relative(engine: str | type[Engine], scenario: Scenario, *, baseline_o
                    top_k: int = 5) -> Report:
     """Judge `engine` under the scenario's options against the same engine under `baseline_options`, on the
     scenario's requests, with the budget of its dtype (the oracle only calibrates it)."""
+    _refuse_invariance(scenario, "a relative check")
     dtype = parse_dtype(dtype)
     engine_cls, options, requests = _prepare(engine, scenario, dtype=dtype, device=device,
                                              source=source, engine_args=None, top_k=top_k)
@@ -406,6 +540,7 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
     its own budget away from the fp64 truth, and the two errors may point in opposite directions, so
     |candidate - baseline| <= |candidate - oracle| + |oracle - baseline| is all that two correct engines guarantee.
     A float64 baseline adds (nearly) nothing; two bfloat16 engines get twice the bfloat16 budget."""
+    _refuse_invariance(scenario, "a check against another engine")
     dtype = parse_dtype(dtype)
     base_cls = get_engine(against) if isinstance(against, str) else against
     against_dtype = base_cls.default_dtype if against_dtype is None else parse_dtype(against_dtype)

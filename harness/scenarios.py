@@ -7,7 +7,9 @@ gives peaked distributions), else seeded random ids.
 
 Kinds: batching (alone / together / shuffled), chunked_prefill (token budgets, and a per-piece cap), preemption
 (a K/V cache too small for the workload), tp, pp, cudagraph, ssm_state_dtype, long, sampled (continuations drawn at
-a temperature, judged teacher-forced: the decode path at positions as sensitive as prompt positions). Which boundary events a scenario
+a temperature, judged teacher-forced: the decode path at positions as sensitive as prompt positions), and the opt-in
+invariance (the same requests under several configurations, compared bit for bit: an engine's promise of
+determinism, which a correct engine need not make, so `all` leaves it out). Which boundary events a scenario
 produces is computed from its step plan (harness/events.py); tests/harness/test_event_coverage.py checks that every
 model's scenarios produce every event it can have (docs/scenarios.md lists them).
 """
@@ -27,7 +29,7 @@ from reference.config import ModelConfig
 
 from .engine import EngineOptions, Request
 from .events import plan_events
-from .schedule import DEFAULT_KV_BLOCK_SIZE, RequestShape
+from .schedule import DEFAULT_KV_BLOCK_SIZE, RequestShape, plan_options, plan_steps
 
 # The long scenarios: a prompt past 100,000 tokens (not a multiple of any chunk or block size), prefilled in pieces of
 # 8192 tokens (the vendored adapter's default budget): the last pieces attend over ~100K keys, Hq·8192·100K scores,
@@ -35,7 +37,8 @@ from .schedule import DEFAULT_KV_BLOCK_SIZE, RequestShape
 LONG_PROMPT_TOKENS = 100_003
 LONG_STEP_TOKENS = 8192
 
-KINDS = ("batching", "chunked_prefill", "preemption", "tp", "pp", "cudagraph", "ssm_state_dtype", "long", "sampled")
+KINDS = ("batching", "chunked_prefill", "preemption", "tp", "pp", "cudagraph", "ssm_state_dtype", "long", "sampled",
+         "invariance")
 
 # The sampled scenarios' temperature. A greedy token of a confident model has a logprob near 0, where an error in
 # the hidden state barely moves it (the logprob of the top token changes by (1 - p) times the logit error), so a
@@ -67,12 +70,57 @@ def alias_ids(Q: int, W: int) -> dict[str, tuple[str, ...]]:
         "boundary-events": (f"chunked_prefill-budget{max(W - 1, 1)}-Q{Q}", capped, preemption),
     }
 
+
+@dataclass(frozen=True)
+class Configuration:
+    """One engine configuration under which an invariance scenario runs its requests. neighbours: requests run
+    beside them whose results are not compared (requests `n{i}-len{T}`, presented first); order_seed: present the
+    scenario's requests in a seeded random order; needs_cuda: left out (and the report says so) without a CUDA
+    device."""
+
+    name: str
+    options: EngineOptions
+    about: str
+    neighbours: tuple[RequestShape, ...] = ()
+    order_seed: int | None = None
+    needs_cuda: bool = False
+
+    def arranged(self, judged: Sequence, extra: Sequence) -> list:
+        """The items of a workload in this configuration's presentation order: `extra` (one per neighbour) first,
+        then `judged` (one per scenario request) in the seeded order, if any."""
+        judged = list(judged)
+        if self.order_seed is not None:
+            random.Random(self.order_seed).shuffle(judged)
+        return [*extra, *judged]
+
+    def shapes(self, judged: Sequence[RequestShape]) -> tuple[RequestShape, ...]:
+        """The request shapes as this configuration presents them (what its step plan is made of)."""
+        return tuple(self.arranged(judged, self.neighbours))
+
+    def requests(self, judged: Sequence[Request], source: "PromptSource", *, top_k: int = 5,
+                 full_distributions: bool = False) -> list[Request]:
+        """The scenario's requests (`judged`, as Scenario.requests made them) and the neighbours, with prompts of
+        their own, in presentation order."""
+        extra = [Request(f"n{i}-len{s.prompt_len}", source.tokens(s.prompt_len, NEIGHBOUR_INDEX + i),
+                         s.max_new_tokens, top_k, s.arrival_step, full_distributions)
+                 for i, s in enumerate(self.neighbours)]
+        return self.arranged(judged, extra)
+
+
+# Neighbour i of an invariance configuration takes the prompt of request index NEIGHBOUR_INDEX + i of the prompt
+# source, past any workload's own indices.
+NEIGHBOUR_INDEX = 1000
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A named configuration plus workload. shapes: the requests (lengths, tokens to generate, arrival steps);
     shuffle_seed: present the requests in a seeded random order; needs_cuda: skipped without a CUDA device;
     marks: pytest markers of its cases; slow: left out unless asked for by id; temperature: > 0, every request
-    samples its continuation at it, request i with seed i; aliases: the ALIASES that name it (alias_ids)."""
+    samples its continuation at it, request i with seed i; aliases: the ALIASES that name it (alias_ids);
+    configurations: an invariance scenario's configurations, the first its baseline (its options are `options`);
+    opt_in: left out of `all` and of the generic pytest matrix, selected by its kind or id (invariance: a promise
+    of determinism that a correct engine need not make)."""
 
     id: str
     kind: str
@@ -85,6 +133,15 @@ class Scenario:
     slow: bool = False
     temperature: float = 0.0
     aliases: tuple[str, ...] = ()
+    configurations: tuple[Configuration, ...] = ()
+    opt_in: bool = False
+
+    def workloads(self) -> list[tuple[str, EngineOptions, tuple[RequestShape, ...]]]:
+        """(name, options, shapes as presented) of each engine run the scenario makes: one, or one per
+        configuration (what its boundary events and its share of a progress bar are computed from)."""
+        if not self.configurations:
+            return [(self.id, self.options, self.shapes)]
+        return [(c.name, c.options, c.shapes(self.shapes)) for c in self.configurations]
 
     def requests(self, source: "PromptSource", *, top_k: int = 5, full_distributions: bool = False) -> list[Request]:
         """The workload's requests in presentation order; request i of the shapes is named `r{i}-len{T}`."""
@@ -278,6 +335,79 @@ def chunked_prefill_budgets(Q: int, W: int) -> list[int]:
     return sorted({1, 2, max(W - 1, 1), Q - 1, Q, Q + 1, 2 * Q + 1, 3 * Q + 2, 1000} - {0})
 
 
+# The invariance scenario's tokens to generate per request (greedy) and its neighbours' (which keep decoding beside
+# the judged requests' decodes).
+INVARIANCE_NEW_TOKENS = 3
+INVARIANCE_NEIGHBOUR_TOKENS = 6
+INVARIANCE_ORDER_SEED = 1234
+
+
+def invariance_shapes(Q: int, W: int) -> tuple[RequestShape, ...]:
+    """Prompts of 1, W-1, Q-1, Q+1, 2Q+3 and 3Q+2 tokens (deduplicated), INVARIANCE_NEW_TOKENS new tokens each:
+    prompts that end just before and after a chunk boundary, inside the first conv window, and span two and three
+    chunks, so the token budgets of the invariance configurations cut them at every kind of place."""
+    lengths = dict.fromkeys(max(n, 1) for n in (1, W - 1, Q - 1, Q + 1, 2 * Q + 3, 3 * Q + 2))
+    return tuple(RequestShape(n, INVARIANCE_NEW_TOKENS) for n in lengths)
+
+
+def invariance_preemption_options(Q: int, W: int) -> EngineOptions:
+    """The preemption scenario's K/V blocks of ⌈Q/2⌉ tokens and budget of 7 blocks a step (preemption_options),
+    with the fewest blocks (at least its 7) that hold the longest invariance request and still preempt one of the
+    requests run together, which is then recomputed from position 0."""
+    block = preemption_block_size(Q)
+    shapes = invariance_shapes(Q, W)
+    longest = max(-(-(s.prompt_len + s.max_new_tokens - 1) // block) for s in shapes)
+    for blocks in range(max(7, longest), max(7, longest) + 8):
+        options = EngineOptions(num_kv_blocks=blocks, kv_block_size=block, max_num_batched_tokens=7 * block)
+        if _recomputes(plan_steps(shapes, **plan_options(options))):
+            return options
+    raise AssertionError(f"Q = {Q}, W = {W}: no K/V cache of {max(7, longest)}..{max(7, longest) + 7} blocks of "
+                         f"{block} tokens preempts a request of the invariance workload")
+
+
+def _recomputes(plan) -> bool:
+    """Whether a plan feeds a request from position 0 again (a preempted request recomputed)."""
+    fed: dict[int, int] = {}
+    for step in plan:
+        for piece in step.pieces:
+            if piece.start == 0 and fed.get(piece.request, 0) > 0:
+                return True
+            fed[piece.request] = piece.stop
+    return False
+
+
+def invariance_budgets(Q: int) -> list[int]:
+    """Token budgets Q-1, Q, Q+1 (prefill pieces ending next to chunk boundaries) and 3 (pieces inside the conv
+    window, many requests a step), deduplicated, in that order."""
+    return [b for b in dict.fromkeys((Q - 1, Q, Q + 1, 3)) if b >= 1]
+
+
+def invariance_configurations(Q: int, W: int) -> tuple[Configuration, ...]:
+    """alone (the baseline), together, shuffled, beside neighbours, the token budgets of invariance_budgets,
+    preempted, and (on CUDA) with decode steps replayed as CUDA graphs."""
+    neighbours = (RequestShape(2 * Q + 1, INVARIANCE_NEIGHBOUR_TOKENS),
+                  RequestShape(W + 1, INVARIANCE_NEIGHBOUR_TOKENS))
+    preempt = invariance_preemption_options(Q, W)
+    return (
+        Configuration("alone", EngineOptions(max_num_seqs=1), "each request alone (max_num_seqs = 1): the baseline, "
+                      "judged against the oracle"),
+        Configuration("together", EngineOptions(), "all requests in one batch"),
+        Configuration("shuffled", EngineOptions(), "all requests in one batch, in a seeded random order",
+                      order_seed=INVARIANCE_ORDER_SEED),
+        Configuration("neighbours", EngineOptions(), f"all requests beside {len(neighbours)} more of "
+                      f"{' and '.join(str(n.prompt_len) for n in neighbours)} tokens (presented first, decoding "
+                      f"{INVARIANCE_NEIGHBOUR_TOKENS} tokens each; their results are not compared)",
+                      neighbours=neighbours),
+        *(Configuration(f"budget{b}", EngineOptions(max_num_batched_tokens=b), f"token budget {b} per step "
+                        "(chunked prefill)") for b in invariance_budgets(Q)),
+        Configuration("preempted", preempt, f"a K/V cache of {preempt.num_kv_blocks} blocks of "
+                      f"{preempt.kv_block_size} tokens, too small for all at once: a request is preempted and "
+                      "recomputed from position 0"),
+        Configuration("cudagraph-on", EngineOptions(cuda_graphs=True), "all requests in one batch, decode steps "
+                      "replayed as CUDA graphs (padded batch sizes)", needs_cuda=True),
+    )
+
+
 # ---- the matrix ------------------------------------------------------------------------------------------------
 
 def build_scenarios(cfg: ModelConfig, engine=None) -> list[Scenario]:
@@ -398,6 +528,15 @@ def _common_scenarios(cfg: ModelConfig) -> list[Scenario]:
                  f"{T:g}, judged teacher-forced: every decode position as sensitive to a state that drifts as a "
                  "prompt position is", slow=True, temperature=T),
     ]
+    configurations = invariance_configurations(Q, W)
+    shapes = invariance_shapes(Q, W)
+    out.append(Scenario(
+        f"invariance-Q{Q}", "invariance", configurations[0].options, shapes,
+        f"prompt lengths {', '.join(str(s.prompt_len) for s in shapes)}, {INVARIANCE_NEW_TOKENS} greedy tokens each, "
+        f"under {len(configurations)} configurations ({', '.join(c.name for c in configurations)}; cudagraph-on on "
+        f"CUDA only): every logprob, token and top-k bit-identical to {configurations[0].name}'s, which is judged "
+        "against the oracle (opt-in: an engine's declared batch-invariant mode)",
+        configurations=configurations, opt_in=True))
     return out
 
 
@@ -409,10 +548,10 @@ def next_power_of_two_above(n: int) -> int:
 
 
 def select_scenarios(scenarios: Sequence[Scenario], spec: str | None) -> list[Scenario]:
-    """spec: comma-separated kinds, aliases (ALIASES) and/or scenario ids ("all" or None: every scenario not marked
-    slow). A kind selects its scenarios that are not slow; an alias the scenarios it names (alias_ids); an id selects
-    that scenario; a name with a leading "-" removes what it would select (a spec of removals alone starts from
-    "all"). Unknown names raise ValueError."""
+    """spec: comma-separated kinds, aliases (ALIASES) and/or scenario ids ("all" or None: every scenario neither
+    slow nor opt-in). A kind selects its scenarios that are not slow (opt-in ones included: naming the kind asks
+    for them); an alias the scenarios it names (alias_ids); an id selects that scenario; a name with a leading "-"
+    removes what it would select (a spec of removals alone starts from "all"). Unknown names raise ValueError."""
     names = [n.strip() for n in (spec or "all").split(",") if n.strip()]
     kinds = tuple(dict.fromkeys([*KINDS, *(s.kind for s in scenarios)]))
     if names and all(n.startswith("-") for n in names):
@@ -421,7 +560,7 @@ def select_scenarios(scenarios: Sequence[Scenario], spec: str | None) -> list[Sc
 
     def named(name: str) -> list[Scenario]:
         if name == "all":
-            return [s for s in scenarios if not s.slow]
+            return [s for s in scenarios if not s.slow and not s.opt_in]
         if name in kinds:
             return [s for s in scenarios if s.kind == name and not s.slow]
         if name in ALIASES:

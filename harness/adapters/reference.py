@@ -8,7 +8,16 @@ Honours max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, arri
 kv_block_size (the plan's preemptions and recomputations are executed too), allow_long_context and ssm_state_dtype
 (narrower than the run dtype: the SSM state is rounded to it between steps, as an engine's state cache would hold it;
 wider, say float32 under bfloat16: the recurrence computes and keeps its state in it, as engines run 16-bit models).
-engine_args: gated_norm = "grouped" (default; how Bamba was trained) | "full" (what transformers computes).
+engine_args: gated_norm = "grouped" (default; how Bamba was trained) | "full" (what transformers computes);
+batch_invariant = 1 (default 0): each piece of each request alone, one token per forward.
+
+Why a batch-invariant mode: a step packs every piece into one (T, D) matrix, and the CPU's fp64 matmuls give a row
+bits that depend on how many rows share the call (measured on fixtures/tiny-bamba: a 50-token prompt's logits
+prefilled whole and in pieces of 3, 15, 17 or 25 tokens differ by up to 2e-14, and a request's logprobs alone and
+beside five others by 9e-16), far inside any budget but not bit-identical. With batch_invariant = 1 every forward
+holds one token of one request, so what a token computes has the same shapes in every configuration: the results
+do not depend on the batch, the chunking or a preemption (the `invariance` scenario, harness/runner.py's
+check_invariance, checks it bit for bit). It costs one forward per token; the fp64 oracle itself does not use it.
 """
 
 from __future__ import annotations
@@ -17,8 +26,8 @@ import torch
 
 from reference.model import BambaReference, SequenceState
 
-from ..engine import (Engine, EngineOptions, Request, RequestResult, RowSummary, log_softmax, parse_dtype,
-                      result_from_summary, summarise_rows, top_k_lower_index)
+from ..engine import (FLAG_VALUES, Engine, EngineOptions, Request, RequestResult, RowSummary, engine_flag,
+                      log_softmax, parse_dtype, result_from_summary, summarise_rows, top_k_lower_index)
 from ..schedule import Piece, RequestShape, plan_options, plan_steps
 
 
@@ -26,8 +35,9 @@ class ReferenceEngine(Engine):
     name = "reference"
     default_dtype = torch.float64
     families = ("bamba", "granitemoehybrid")
-    engine_arg_names = frozenset({"gated_norm"})
+    engine_arg_names = frozenset({"gated_norm", "batch_invariant"})
     has_scheduler = True
+    batch_invariance = "--engine-arg batch_invariant=1 (each request alone, one token per forward)"
     samples = True      # a sampling request draws from softmax(logits / T) with a generator seeded by (seed, position)
     near_k = 0          # > 0: also the near_k most likely tokens of every generated position (the Oracle sets it)
 
@@ -41,6 +51,9 @@ class ReferenceEngine(Engine):
             reasons.append("cuda_graphs: the reference has no graph capture")
         if options.engine_args.get("gated_norm", "grouped") not in ("grouped", "full"):
             reasons.append(f"gated_norm: expected 'grouped' or 'full', got {options.engine_args['gated_norm']!r}")
+        if engine_flag(options.engine_args.get("batch_invariant", 0)) is None:
+            reasons.append(f"batch_invariant: expected one of {', '.join(FLAG_VALUES)}, got "
+                           f"{options.engine_args['batch_invariant']!r}")
         return reasons
 
     def _load(self) -> None:
@@ -60,12 +73,33 @@ class ReferenceEngine(Engine):
 
     def forward_step(self, pieces: list[Piece], tokens: list[torch.Tensor],
                      states: list[SequenceState]) -> tuple[list[torch.Tensor], list[SequenceState]]:
-        """One engine step: the model on the packed pieces. A separate method so a test can plant a fault here."""
+        """One engine step: the model on the packed pieces (with batch_invariant, each token of each piece on its
+        own). A separate method so a test can plant a fault here."""
+        if engine_flag(self.options.engine_args.get("batch_invariant", 0)):
+            return self._forward_alone(tokens, states)
         logits, new_states = self.model.forward_batch(tokens, states)
-        if self.ssm_state_dtype is not None:
-            for state in new_states:
-                state.ssm = {i: s.to(self.ssm_state_dtype).to(self.dtype) for i, s in state.ssm.items()}
+        return logits, [self._stored(state) for state in new_states]
+
+    def _forward_alone(self, tokens: list[torch.Tensor],
+                       states: list[SequenceState]) -> tuple[list[torch.Tensor], list[SequenceState]]:
+        """The batch-invariant step: one forward per token of each piece, its state stored after each (so a state
+        narrower than the run dtype is rounded after every token, wherever the step boundaries fall)."""
+        logits, new_states = [], []
+        for piece, state in zip(tokens, states):
+            rows = []
+            for token in piece.split(1):
+                (row,), (state,) = self.model.forward_batch([token], [state])
+                rows.append(row)
+                state = self._stored(state)
+            logits.append(torch.cat(rows))
+            new_states.append(state)
         return logits, new_states
+
+    def _stored(self, state: SequenceState) -> SequenceState:
+        """The state as kept between steps: its SSM state rounded to a narrower ssm_state_dtype, if one is set."""
+        if self.ssm_state_dtype is not None:
+            state.ssm = {i: s.to(self.ssm_state_dtype).to(self.dtype) for i, s in state.ssm.items()}
+        return state
 
     def _run(self, requests: list[Request]) -> list[RequestResult]:
         shapes = [RequestShape(len(r.prompt), r.max_new_tokens, r.arrival_step) for r in requests]

@@ -3,8 +3,9 @@
 Honours max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, num_kv_blocks and kv_block_size (a small
 K/V cache forces preemption), ssm_state_dtype, allow_long_context, cuda_graphs (on a CUDA device: decode-only steps
 padded to captured sizes and replayed), tensor_parallel_size, pipeline_parallel_size (worker processes: gloo on the
-CPU, one CUDA device per rank with NCCL) and arrival steps. engine_args: parallel_timeout_s. The engine is built per run, sized for the
-longest request of that run (max_model_len), so a scenario's memory is what its requests need. A model that cannot
+CPU, one CUDA device per rank with NCCL) and arrival steps. engine_args: parallel_timeout_s; batch_invariant (1 or 0:
+the engine's batch-invariant mode, vendored/engine/invariant.py). The engine is built per run, sized for the longest
+request of that run (max_model_len), so a scenario's memory is what its requests need. A model that cannot
 be split over the asked ranks (heads not divisible by tp, ...) is reported unsupported; CUDA graphs are for one rank.
 """
 
@@ -14,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine import (Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name,
-                      result_from_logprobs, result_from_top)
+from ..engine import (FLAG_VALUES, Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name,
+                      engine_flag, result_from_logprobs, result_from_top)
 from ..schedule import DEFAULT_KV_BLOCK_SIZE
 
 # What the engine does when a scenario leaves a knob at None: no chunking for these prompt sizes, 64 in flight.
@@ -27,7 +28,8 @@ class VendoredEngine(Engine):
     name = "vendored"
     default_dtype = torch.float32
     families = ("bamba", "granitemoehybrid")
-    engine_arg_names = frozenset({"parallel_timeout_s"})
+    engine_arg_names = frozenset({"parallel_timeout_s", "batch_invariant"})
+    batch_invariance = "--engine-arg batch_invariant=1"      # how its batch-invariant mode is turned on
     has_scheduler = True
     samples = True                                      # seeded sampling: vendored/engine/sampling.py
     default_ssm_state_dtype = "float32"                 # vendored/engine: the state pool is fp32 unless told
@@ -55,6 +57,11 @@ class VendoredEngine(Engine):
         if options.cuda_graphs and device.type != "cuda":
             reasons.append(f"cuda_graphs on {device.type}: nothing to capture without a CUDA device (the engine's "
                            "padded graph step runs eagerly there: tests/engine/test_cudagraph.py)")
+        invariant = options.engine_args.get("batch_invariant", False)
+        if engine_flag(invariant) is None:
+            reasons.append(f"batch_invariant: expected one of {', '.join(FLAG_VALUES)}, got {invariant!r}")
+        elif engine_flag(invariant) and ranks > 1:
+            reasons.append(f"batch_invariant with {ranks} ranks: the engine's batch-invariant mode runs on one rank")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"dtype {dtype_name(dtype)}: the kernels run float32, bfloat16 or float16")
         elif device.type == "cpu" and dtype != torch.float32:
@@ -85,7 +92,8 @@ class VendoredEngine(Engine):
             ssm_state_dtype=opts.ssm_state_dtype or "float32", allow_long_context=opts.allow_long_context,
             cuda_graphs=opts.cuda_graphs,
             tensor_parallel_size=opts.tensor_parallel_size, pipeline_parallel_size=opts.pipeline_parallel_size,
-            parallel_timeout_s=float(opts.engine_args.get("parallel_timeout_s", 600.0)))
+            parallel_timeout_s=float(opts.engine_args.get("parallel_timeout_s", 600.0)),
+            batch_invariant=bool(engine_flag(opts.engine_args.get("batch_invariant", False))))
 
     def _run(self, requests: list[Request]) -> list[RequestResult]:
         self._close_engine()

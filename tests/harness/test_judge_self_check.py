@@ -127,7 +127,14 @@ def test_planted_deltas_fail_exactly_where_they_exceed_the_budget(kind, side, g1
     delta = budget * (1 - EDGE) if side == "inside" else budget * (1 + EDGE)
     monkeypatch.setattr(Perturbed, "deltas", {position: sign * delta for position, sign in
                                               zip(targets.values(), (1, -1, 1))})
-    report = check_scenario(Perturbed, scenario, oracle=g1_oracle, source=g1_prompts, dtype=torch.float32)
+    # invariance: the oracle judgement of its baseline configuration, with the reference's batch-invariant mode on so
+    # that the configurations agree bit for bit (the deltas are planted by request and position); one configuration
+    # beside the baseline keeps that part live (tests/harness/test_invariance.py runs them all)
+    engine_args = None
+    if kind == "invariance":
+        engine_args, scenario = {"batch_invariant": "1"}, replace(scenario, configurations=scenario.configurations[:2])
+    report = check_scenario(Perturbed, scenario, oracle=g1_oracle, source=g1_prompts, dtype=torch.float32,
+                            engine_args=engine_args)
     failed = {(f.request_id, f.position) for f in report.failures}
     expected = set() if side == "inside" else set(targets.values())
     assert failed == expected, (f"{scenario.id}: budget {budget:.4g}, |δ| {delta:.6g}; expected failures at "

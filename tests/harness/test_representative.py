@@ -32,7 +32,7 @@ def events_of(scenarios, cfg: ModelConfig) -> set[str]:
 
 def cpu_kinds(cfg: ModelConfig) -> set[str]:
     """The kinds with a scenario that `all` selects and a CPU runs."""
-    return {s.kind for s in build_scenarios(cfg) if not s.slow and not s.needs_cuda}
+    return {s.kind for s in build_scenarios(cfg) if not s.slow and not s.opt_in and not s.needs_cuda}
 
 
 def make_compare_runs() -> list[tuple[Path, str]]:
@@ -78,7 +78,8 @@ def test_representative_is_one_scenario_of_each_cpu_kind(name):
     cfg = MODELS[name]
     chosen = select_scenarios(build_scenarios(cfg), "representative")
     assert sorted(s.kind for s in chosen) == sorted(cpu_kinds(cfg))
-    assert cpu_kinds(cfg) == set(KINDS) - {"long"}, "long has a CPU scenario now: docs/scenarios.md says it has none"
+    assert cpu_kinds(cfg) == set(KINDS) - {"long", "invariance"}, (
+        "long has a CPU scenario now (docs/scenarios.md says it has none), or invariance is no longer opt-in")
 
 
 @pytest.mark.parametrize("name", ["tiny-bamba", "tiny-granite", "bamba-9b-shape"])

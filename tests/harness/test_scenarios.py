@@ -45,6 +45,7 @@ def test_scenario_ids_for_q16_w4():
         "cudagraph-off", "cudagraph-on",
         "ssm_state_dtype-float32", "ssm_state_dtype-bfloat16", "long-past_max_positions", "long-100k",
         "long-100k-cudagraph", "sampled-decode-T2", "sampled-cudagraph-T2", "sampled-long-decode-T2",
+        "invariance-Q16",
     ]
 
 
