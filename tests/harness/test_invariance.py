@@ -20,10 +20,11 @@ from harness.engine import EngineOptions, Request, result_from_logprobs
 from harness.events import plan_events
 from harness.invariance import FIELDS, first_difference
 from harness.pytest_plugin import scenario_cases
-from harness.runner import Oracle, ScenarioSkipped, check_against, check_scenario
-from harness.scenarios import PromptSource, build_scenarios, invariance_shapes, select_scenarios
+from harness.runner import ScenarioSkipped, check_against, check_scenario
+from harness.scenarios import build_scenarios, invariance_shapes, select_scenarios
 from harness.schedule import RequestShape
 from reference.config import ModelConfig
+from tests.engine.conftest import tiny_oracle, tiny_prompts  # noqa: F401  (shared fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "fixtures" / "tiny-bamba"
@@ -33,16 +34,6 @@ INVARIANCE = next(s for s in build_scenarios(TINY_CFG) if s.kind == "invariance"
 CONFIGS = {c.name: c for c in INVARIANCE.configurations}
 
 
-@pytest.fixture(scope="module")
-def tiny_oracle():
-    oracle = Oracle(TINY)
-    yield oracle
-    oracle.close()
-
-
-@pytest.fixture(scope="module")
-def tiny_prompts():
-    return PromptSource.from_jsonl(REPO / "fixtures" / "prompts.jsonl", TINY_CFG.vocab_size)
 
 
 def reduced(*names: str, shapes: tuple[RequestShape, ...] | None = None):
