@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="out/kernel-conformance")
     p.add_argument("--doc", default="docs/kernel-conformance.md", help="markdown file to write ('' for none)")
     p.add_argument("--gpu", action="store_true", help="also the gpu-marked tests (a CUDA machine)")
+    p.add_argument("--gpu-only", action="store_true",
+                   help="with --gpu: the gpu-marked tests alone (Bamba-9B shapes, bf16: what the CPU table lacks)")
     p.add_argument("--jobs", default=os.environ.get("XDIST", "2"), help="pytest-xdist workers per provider")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per provider; its pytest is then stopped and the tests it finished are tabulated, "
@@ -92,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [o for o in a.providers if o not in PROVIDERS]
     if unknown:
         p.error(f"--ops: unknown provider {unknown[0]!r}; expected some of {', '.join(PROVIDERS)}")
+    if a.gpu_only and not a.gpu:
+        p.error("--gpu-only: only with --gpu")
     if a.parallel < 1:
         p.error(f"--parallel: {a.parallel} is not a positive number of processes")
     return a
@@ -100,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_provider(name: str, out: Path, a: argparse.Namespace) -> tuple[list[dict], float, int]:
     report = out / f"{name}.jsonl"
     report.unlink(missing_ok=True)
-    marks = "not slow and not scale" if a.gpu else "not gpu and not slow"
+    marks = ("gpu and " if a.gpu_only else "") + "not slow and not scale" if a.gpu else "not gpu and not slow"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels", "-m", marks,
            "--ops", name, "--ops-report", str(report), "-n", str(a.jobs)]
     if a.gpu:
@@ -122,19 +126,36 @@ def run_provider(name: str, out: Path, a: argparse.Namespace) -> tuple[list[dict
     return rows, time.monotonic() - started, done.returncode
 
 
+# Failures that are no verdict on the kernel: the device ran out of memory (other tests, other providers' processes
+# on the same GPU), and CUDA errors that poison a process, after which every later test of that process fails the
+# same way (the first of them may be the kernel's own fault: its log says which came first).
+NO_VERDICT = (("OutOfMemoryError", "oom"), ("CUDA error: an illegal memory access", "cuda error"))
+
+
+def outcome_of(row: dict) -> str:
+    """A report line's outcome for the table: a strict xfail that passed is a failure; a failure whose reason is
+    one of NO_VERDICT is that ("oom", "cuda error")."""
+    outcome = {"xpass": "failed"}.get(row["outcome"], row["outcome"])
+    if outcome == "failed":
+        for marker, label in NO_VERDICT:
+            if marker in (row.get("reason") or ""):
+                return label
+    return outcome
+
+
 def tabulate(results: dict[str, list[dict]]) -> dict:
-    """{class: {provider: {passed, failed, xfail, skipped, worst}}} in CLASSES order, OTHER last."""
+    """{class: {provider: {passed, failed, xfail, skipped, oom, cuda error, worst}}} in CLASSES order, OTHER last."""
     table: dict = {label: {} for label, _ in CLASSES}
     table[OTHER] = {}
     for provider, rows in results.items():
         for row in rows:
             cell = table[boundary_class(row["nodeid"])].setdefault(
                 provider, dict(passed=0, failed=0, xfail=0, skipped=0, worst=None, failures=[]))
-            outcome = {"xpass": "failed"}.get(row["outcome"], row["outcome"])
+            outcome = outcome_of(row)
             cell[outcome] = cell.get(outcome, 0) + 1
             if outcome == "failed":
                 cell["failures"].append(row["nodeid"])
-            if row.get("worst") is not None and outcome != "skipped":
+            if row.get("worst") is not None and outcome in ("passed", "failed", "xfail"):
                 cell["worst"] = max(cell["worst"] or 0.0, row["worst"])
     return table
 
@@ -143,8 +164,9 @@ def cell_text(cell: dict | None) -> str:
     if not cell:
         return "—"
     ran = cell["passed"] + cell["failed"] + cell["xfail"]
+    broken = [f"{label} {cell[label]}" for _, label in NO_VERDICT if cell.get(label)]
     if ran == 0:
-        return f"skip {cell['skipped']}"
+        return ", ".join(broken + ([f"skip {cell['skipped']}"] if cell["skipped"] or not broken else []))
     parts = []
     if cell["failed"]:
         parts.append(f"**FAIL {cell['failed']}**")
@@ -152,6 +174,7 @@ def cell_text(cell: dict | None) -> str:
         parts.append(f"**finding {cell['xfail']}**")
     if cell["passed"]:
         parts.append(f"pass {cell['passed']}")
+    parts += broken
     if cell["skipped"]:
         parts.append(f"skip {cell['skipped']}")
     worst = cell["worst"]

@@ -107,8 +107,8 @@ def test_contexts_at_every_edge(n_q_heads, n_kv_heads, block_size, width):
 def test_batch_invariant_rows_do_not_depend_on_the_batch_or_the_table_width(dtype):
     """batch_invariant=True: every row of a call the same bits as that row alone, as that row beside others in
     another order, and with a table twice as wide (more, dead, splits in the default launch); still the twin's
-    values, every element. The default launch splits by the batch size: the same rows alone and together take
-    different splits there (checked), which is what the flag removes."""
+    values, every element. The default launch splits by the batch size: on the CPU the same rows alone and
+    together take different splits there (checked), which is what the flag removes."""
     width, block_size = 12, 16
     lens = [0, 1, 17, 40, 95, 150, width * block_size]
     q, k_cache, v_cache, tables, ctx = make_case(lens, n_q_heads=4, n_kv_heads=2, head_dim=32, block_size=block_size,
@@ -131,9 +131,10 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch_or_the_table_width(dtyp
         assert torch.equal(call([row])[0], together[row]), f"row {row} alone"
     assert torch.equal(call(shuffled), together[shuffled]), "rows in another order"
     assert torch.equal(call(every, 2 * width), together), "a table twice as wide"
-    device = torch.device(DEVICE)
-    assert module._launch(1, 2, width * block_size, device).splits != module._launch(len(lens), 2, width * block_size,
-                                                                                     device).splits
+    if DEVICE == "cpu":   # the GPU's default launch takes one split for these few keys either way
+        device = torch.device(DEVICE)
+        assert module._launch(1, 2, width * block_size, device).splits != module._launch(
+            len(lens), 2, width * block_size, device).splits
 
 
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 48, 64, 128])

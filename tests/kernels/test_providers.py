@@ -156,3 +156,19 @@ def test_large_gpu_memory_tests_take_a_lock_across_processes(tmp_path, monkeypat
     assert other_process_can_lock()
     with conftest._large_gpu_memory_lock(Request(["something-else"])):      # other tests take no lock
         assert other_process_can_lock()
+
+
+def test_out_of_memory_and_cuda_errors_are_no_verdict():
+    rows = {"vllm": [dict(nodeid="tests/kernels/test_ssd_scan.py::test_groups[a]", outcome="failed", worst=None,
+                          reason="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1020.00 MiB"),
+                     dict(nodeid="tests/kernels/test_ssd_scan.py::test_groups[b]", outcome="failed", worst=None,
+                          reason="torch.AcceleratorError: CUDA error: an illegal memory access was encountered"),
+                     dict(nodeid="tests/kernels/test_ssd_scan.py::test_groups[c]", outcome="failed", worst=3.0,
+                          reason="AssertionError: out: 3 of 8 elements outside"),
+                     dict(nodeid="tests/kernels/test_ssd_scan.py::test_chunk_sizes[d]", outcome="failed",
+                          worst=None, reason="torch.OutOfMemoryError: CUDA out of memory.")]}
+    cells = conformance.tabulate(rows)["scan: groups, chunk sizes (8, 24, 128, 192)"]
+    assert conformance.cell_text(cells["vllm"]) == "**FAIL 1**, oom 2, cuda error 1, 3×"
+    assert cells["vllm"]["failures"] == ["tests/kernels/test_ssd_scan.py::test_groups[c]"]
+    only_oom = conformance.tabulate({"vllm": rows["vllm"][:1]})["scan: groups, chunk sizes (8, 24, 128, 192)"]
+    assert conformance.cell_text(only_oom["vllm"]) == "oom 1"
