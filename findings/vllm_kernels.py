@@ -26,8 +26,9 @@ def main(argv: list[str]) -> int:
     for provider in finding.providers:
         ids = [p.replace("[[]", "[").replace("[]]", "]") for p in finding.tests]
         selection = " or ".join(i.split("::")[1].split("[")[0] for i in ids)
+        files = sorted({i.split("::")[0] for i in ids})
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--runxfail",
-                               "tests/kernels/test_ssd_scan.py", "--ops", provider, "-k", selection],
+                               *files, "--ops", provider, "-k", selection],
                               cwd=ROOT, capture_output=True, text=True)
         failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")
                   and any(fnmatch.fnmatchcase(line.split()[1], p) for p in finding.tests)]

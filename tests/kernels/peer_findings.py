@@ -55,6 +55,18 @@ FINDINGS: tuple[PeerFinding, ...] = (
         "kernel; its softplus (log(exp(dt) + 1), not log1p) is not it (an accurate form leaves 3.4e-6); with "
         "dt_bias the test passes, and vLLM's mixers always pass dt_bias",
         "findings/vllm_kernels.py vllm-no-dt-bias-final-state"),
+    PeerFinding(
+        "vllm-conv-16bit-products", ("vllm", "vllm-0.10.2"),
+        ("tests/kernels/test_causal_conv1d.py::test_16bit_inputs[[]*", "tests/kernels/test_causal_conv1d.py::"
+         "test_bamba_shapes_8k_tokens[[]*", "tests/kernels/test_causal_conv1d_update.py::test_16bit_inputs[[]*",
+         "tests/kernels/test_causal_conv1d_update.py::test_bamba_shapes[[]*"),
+        "fp16 on the CPU: outputs 3.4 times the bound (prefill, 11,711 of 250,880 outside it) and 4.4 times "
+        "(decode update, 471 of 32,768); bf16 and fp16 at Bamba-9B widths on an H100: up to 35 times",
+        "both Triton conv kernels multiply the 16-bit input and weight in 16 bits (acc += matrix_x * matrix_w: "
+        "Triton keeps a bf16 or fp16 product in its dtype), so each of the W tap products is rounded before the "
+        "fp32 sum, and where the taps cancel the error is many roundings of the result; with the product in fp32 "
+        "(matrix_x.to(tl.float32) * matrix_w.to(tl.float32)) the same tests pass. 0.7.3's conv is a CUDA extension",
+        "findings/vllm_kernels.py vllm-conv-16bit-products"),
 )
 
 

@@ -309,6 +309,17 @@ def test_rejects_unknown_activation():
 # GPU: Bamba-9B shapes in 16-bit, and a prefill long enough for int32 offsets to overflow
 # ---------------------------------------------------------------------------------------------------------------
 
+# 16-bit inputs on both backends: fp16 everywhere (the interpreter's fp16 products round as a GPU's do), bf16 on the
+# GPU. A kernel that multiplies 16-bit x and weight in 16 bits rounds every tap's product before the sum, and where
+# the taps cancel the sum's error is far more than one rounding of the result (vLLM's Triton conv:
+# peer_findings.py, vllm-conv-16bit-products).
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=[gpu, needs_gpu])],
+                         ids=["fp16", "bf16"])
+def test_16bit_inputs(dtype):
+    run_and_check([1, 2, 300, 63, 124], [True, False, True, True, False], n_channels=512, dtype=dtype, n_slots=16,
+                  seed=8)
+
+
 BAMBA_CHANNELS = channels(1, n_heads=128, head_dim=64, d_state=128)   # 8448
 
 

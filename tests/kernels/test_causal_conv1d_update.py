@@ -109,6 +109,17 @@ def test_rejects_bad_input(name, bad, message):
     assert_rejected(OPS.causal_conv1d_update, _valid_args(), name, bad, message)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=[gpu, needs_gpu])],
+                         ids=["fp16", "bf16"])
+def test_16bit_inputs(dtype):
+    """fp16 on both backends, bf16 on the GPU: 64 rows of 512 channels, one of them padding (as
+    test_causal_conv1d.py's test_16bit_inputs, for the decode update)."""
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.randperm(80, generator=gen)[:64].tolist()
+    slots[5] = PAD
+    run_and_check(slots, n_channels=512, dtype=dtype, n_slots=80, seed=3)
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("batch", [1, 7, 256], ids=lambda b: f"B{b}")
