@@ -57,9 +57,12 @@ FINDINGS: tuple[PeerFinding, ...] = (
         "findings/vllm_kernels.py vllm-no-dt-bias-final-state"),
     PeerFinding(
         "vllm-conv-16bit-products", ("vllm", "vllm-0.10.2"),
-        ("tests/kernels/test_causal_conv1d.py::test_16bit_inputs[[]*", "tests/kernels/test_causal_conv1d.py::"
-         "test_bamba_shapes_8k_tokens[[]*", "tests/kernels/test_causal_conv1d_update.py::test_16bit_inputs[[]*",
-         "tests/kernels/test_causal_conv1d_update.py::test_bamba_shapes[[]*"),
+        # what failed: on the CPU the fp16 tests; on the H100 the Bamba-9B shapes but the decode update at batch 1
+        ("tests/kernels/test_causal_conv1d.py::test_16bit_inputs[[]fp16[]]",
+         "tests/kernels/test_causal_conv1d.py::test_bamba_shapes_8k_tokens[[]*",
+         "tests/kernels/test_causal_conv1d_update.py::test_16bit_inputs[[]fp16[]]",
+         "tests/kernels/test_causal_conv1d_update.py::test_bamba_shapes[[]*-B7[]]",
+         "tests/kernels/test_causal_conv1d_update.py::test_bamba_shapes[[]*-B256[]]"),
         "fp16 on the CPU: outputs 3.4 times the bound (prefill, 11,711 of 250,880 outside it) and 4.4 times "
         "(decode update, 471 of 32,768); bf16 and fp16 at Bamba-9B widths on an H100: up to 35 times",
         "both Triton conv kernels multiply the 16-bit input and weight in 16 bits (acc += matrix_x * matrix_w: "
