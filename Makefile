@@ -86,7 +86,8 @@ bench-kernels:
 # tests/kernels against every op provider (ours, vLLM 0.33.0, 0.10.2, 0.7.3, mamba_ssm, fla), one pytest process
 # each (`pytest tests/kernels --ops NAME` runs one): the table in out/kernel-conformance and docs/kernel-conformance.md.
 # CPU: the Triton interpreter, ~8 min on 2 cores. On the GPU image (no venv), with .peers carried along:
-# `BAMBA_PEERS=.peers python3 -m tests.kernels.conformance --gpu --jobs 8` adds the Bamba-9B-shape tests.
+# `BAMBA_PEERS=.peers python3 -m tests.kernels.conformance --gpu --gpu-only --parallel 2 --jobs 2` runs the
+# Bamba-9B-shape tests (the GPU table); more processes than that on one 80 GB card ran out of memory (2026-12-06).
 .PHONY: kernel-conformance
 kernel-conformance: $(STAMP)
 	test -f $(PEERS)/peer_loader.py || $(MAKE) fetch-peers
