@@ -22,7 +22,10 @@ the provider, so a conformance table can count them.
 Precision: our scan takes `products="fp32"` (default) or `"rounded"`, the peers' precision class. A peer is judged
 by the bound of the precision it has: its scan's `products` is "rounded" whatever the test asks
 (Provider.scan_products), so 16-bit inputs get the rounding allowance the test derives for that class; fp32 inputs
-are the same computation either way.
+are the same computation either way. Within that class a peer rounds the chunk-state product B·decay·Δ to the
+input's dtype once (`b = b.to(x dtype)` before tl.dot, as mamba_ssm's SSD does), where our rounded mode keeps it
+as two bf16 pieces (Provider.scan_stage2_rounds_once): in bf16 the peers' final states may be off by 2^-8 of their
+terms, ours by 2^-15.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Provider:
     name = "vendored"
     features: frozenset[str] = frozenset()
     scan_products: str | None = None          # None: the products the test asks for
+    scan_stage2_rounds_once = False           # products="rounded": B·decay·Δ rounded once to x's dtype (the peers)
 
     def require(self, *features: str) -> None:
         missing = [f for f in features if f not in self.features]
@@ -203,6 +207,7 @@ def _store_final(pool, slots, final):
 
 class _Peer(Provider):
     scan_products = "rounded"
+    scan_stage2_rounds_once = True
     features = frozenset()
 
     def _check_common(self, check_indices=True, products="fp32", x=None, cu_seqlens=None):
