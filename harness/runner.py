@@ -301,24 +301,36 @@ def check_scenario(engine: str | type[Engine], scenario: Scenario, *, oracle: Or
         reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
         if reasons:
             raise ScenarioSkipped(reasons)
-        judging = dict(oracle=oracle, source=source, dtype=dtype, options=options, engine_cls=engine_cls, k=k,
-                       atol=atol, top_k=top_k, progress=progress)
-        if any(r.samples for r in requests):
-            report = _judge_sampled(candidate, scenario, requests, **judging)
-        else:
-            baseline, budget, noise = _oracle_side(requests, **judging)
-            _enter(progress, engine_cls.name, candidate)
-            report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,
-                                  candidate=oracle.run_beside(candidate, requests, dtype), budget=budget,
-                                  rerun=lambda forced: oracle.run_beside(candidate, forced, dtype), noise=noise)
-        if candidate.provenance():
-            report.meta["engine_provenance"] = candidate.provenance()
-        hint = getattr(candidate, "oracle_hint", None)        # an engine known to compute another model here
-        if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
-            report.meta["hint"] = text
+        report, _ = _judged(candidate, scenario, requests, engine_cls.name, oracle=oracle, source=source,
+                            dtype=dtype, options=options, engine_cls=engine_cls, k=k, atol=atol, top_k=top_k,
+                            progress=progress)
     report.meta.update(engine=engine_cls.name, dtype=dtype_name(dtype), device=str(device),
                        options={k_: str(v) for k_, v in options.non_default().items()})
     return report
+
+
+def _judged(candidate: Engine, scenario: Scenario, requests: list[Request], stage: str,
+            **judging) -> tuple[Report, list[RequestResult] | None]:
+    """The candidate's results on `requests` judged against the oracle (sampled requests teacher-forced:
+    _judge_sampled), with the engine's provenance and, on a failure, its oracle hint in the report's meta; and the
+    results (None for sampled requests). stage: what the progress display calls the candidate's run."""
+    oracle, dtype = judging["oracle"], judging["dtype"]
+    results = None
+    if any(r.samples for r in requests):
+        report = _judge_sampled(candidate, scenario, requests, **judging)
+    else:
+        baseline, budget, noise = _oracle_side(requests, **judging)
+        _enter(judging["progress"], stage, candidate)
+        results = oracle.run_beside(candidate, requests, dtype)
+        report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline, candidate=results,
+                              budget=budget, rerun=lambda forced: oracle.run_beside(candidate, forced, dtype),
+                              noise=noise)
+    if candidate.provenance():
+        report.meta["engine_provenance"] = candidate.provenance()
+    hint = getattr(candidate, "oracle_hint", None)        # an engine known to compute another model here
+    if hint is not None and not report.passed and (text := hint(candidate.cfg, oracle.gated_norm)):
+        report.meta["hint"] = text
+    return report, results
 
 
 def _oracle_side(requests: Sequence[Request], *, oracle: Oracle, source: PromptSource, dtype: torch.dtype,
@@ -419,19 +431,10 @@ def check_invariance(engine: str | type[Engine], scenario: Scenario, *, oracle: 
         reasons = candidate.cannot_run(requests)          # before the oracle's (possibly long) run
         if reasons:
             raise ScenarioSkipped(reasons)
-        reference, budget, noise = _oracle_side(requests, oracle=oracle, source=source, dtype=dtype,
-                                                options=base_options, engine_cls=engine_cls, k=k, atol=atol,
-                                                top_k=top_k, progress=progress)
-        _enter(progress, f"{engine_cls.name} {baseline_config.name}", candidate)
-        baseline = oracle.run_beside(candidate, requests, dtype)
-        report = compare_runs(scenario=scenario.id, requests=requests, baseline=reference, candidate=baseline,
-                              budget=budget, rerun=lambda forced: oracle.run_beside(candidate, forced, dtype),
-                              noise=noise)
-        if candidate.provenance():
-            report.meta["engine_provenance"] = candidate.provenance()
-        hint = getattr(candidate, "oracle_hint", None)        # an engine known to compute another model here
-        text = hint(candidate.cfg, oracle.gated_norm) if hint is not None and not report.passed else None
-        hints = [text] if text else []
+        report, baseline = _judged(candidate, scenario, requests, f"{engine_cls.name} {baseline_config.name}",
+                                   oracle=oracle, source=source, dtype=dtype, options=base_options,
+                                   engine_cls=engine_cls, k=k, atol=atol, top_k=top_k, progress=progress)
+        hints = [report.meta.pop("hint")] if "hint" in report.meta else []
     oracle_passed = report.passed
     outcomes = {baseline_config.name: {"status": "baseline", "oracle": "PASS" if oracle_passed else "FAIL"}}
     first = None
