@@ -56,7 +56,8 @@ GPU_LOCK = os.environ.get("BAMBA_GPU_LOCK", os.path.join(tempfile.gettempdir(), 
 @contextlib.contextmanager
 def _large_gpu_memory_lock(request):
     grouped = any(m.args[:1] == (LARGE_GPU_MEMORY,) for m in request.node.iter_markers("xdist_group"))
-    if not (grouped and torch.cuda.is_available()):
+    # a child pytest that runs one isolated finding's test (tests/kernels/ops_plugin.py) runs under its parent's lock
+    if not (grouped and torch.cuda.is_available()) or os.environ.get("BAMBA_ISOLATED_FINDING"):
         yield
         return
     with open(GPU_LOCK, "a") as handle:

@@ -291,6 +291,11 @@ class VllmProvider(_Peer):
         initial = None
         if bool(has_initial_state.any()):
             initial = _initial_states(ssm_states, state_indices, has_initial_state)
+            if self.version == "0.7.3" and x.is_cuda and initial.dtype != x.dtype:
+                # its chunk scan points one variable at the chunk states (x's dtype) or the initial states: Triton's
+                # compiler rejects two pointer types there (the interpreter does not check); its cache held x's dtype
+                raise Unsupported(f"{self.name}: initial states in {initial.dtype} with {x.dtype} inputs do not "
+                                  "compile on a GPU (its states between chunks are in the inputs' dtype)")
             if self.version != "0.7.3":
                 extra["chunk_indices"], extra["chunk_offsets"] = chunk_indices_offsets(cu_seqlens, chunk_size,
                                                                                        n_tokens)

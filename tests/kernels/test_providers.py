@@ -52,7 +52,7 @@ def test_every_finding_pins_existing_tests_and_has_its_reproducer(collected):
     assert FINDINGS, "the registry is empty"
     for finding in FINDINGS:
         assert set(finding.providers) <= set(providers.PEER_NAMES) - {"vendored"}, finding.key
-        for pattern in finding.tests:
+        for pattern in finding.patterns(cuda=True):
             assert any(fnmatch.fnmatchcase(node, pattern) for node in collected), \
                 f"{finding.key}: {pattern} matches no test: a finding that pins nothing"
         script = finding.reproducer.split()[0]
@@ -172,3 +172,47 @@ def test_out_of_memory_and_cuda_errors_are_no_verdict():
     assert cells["vllm"]["failures"] == ["tests/kernels/test_ssd_scan.py::test_groups[c]"]
     only_oom = conformance.tabulate({"vllm": rows["vllm"][:1]})["scan: groups, chunk sizes (8, 24, 128, 192)"]
     assert conformance.cell_text(only_oom["vllm"]) == "oom 1"
+
+
+class _Item:
+    """What ops_plugin's isolation hook reads of a test item."""
+
+    def __init__(self, nodeid: str, ops: str, finding):
+        self.nodeid = nodeid
+        self.stash = {ops_plugin._ISOLATED: finding}
+        self.config = type("Config", (), {"getoption": staticmethod(lambda name: ops)})()
+
+
+def test_an_isolated_finding_runs_its_test_in_a_child_process():
+    finding = next(f for f in FINDINGS if f.isolate)
+    # a real child: the test's own node id (without xdist's @group), --runxfail, the provider; its pass is this pass
+    item = _Item("tests/kernels/test_rms_norm_gated.py::test_one_row@large-gpu-memory", "vendored", finding)
+    assert ops_plugin.pytest_pyfunc_call(item) is True
+    # a failing child: its first assertion line becomes this test's AssertionError (what the strict xfail expects);
+    # a child that ran past its time is a failure too
+    failed = subprocess.CompletedProcess([], 1, stdout="....\nE   torch.AcceleratorError: CUDA error: an illegal "
+                                                       "memory access was encountered\nE   more\n", stderr="")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops_plugin.subprocess, "run", lambda command, **kw: failed)
+        with pytest.raises(AssertionError, match=f"finding {finding.key}, exit 1.*illegal memory access"):
+            ops_plugin.pytest_pyfunc_call(item)
+
+        def hang(command, **kw):
+            assert "--runxfail" in command and command[command.index("--ops") + 1] == "vendored"
+            assert kw["env"][ops_plugin.ISOLATED_CHILD] == "tests/kernels/test_rms_norm_gated.py::test_one_row"
+            raise subprocess.TimeoutExpired(command, kw["timeout"])
+        mp.setattr(ops_plugin.subprocess, "run", hang)
+        with pytest.raises(AssertionError, match="ran past"):
+            ops_plugin.pytest_pyfunc_call(item)
+    # a test with no isolated finding is left to pytest
+    assert ops_plugin.pytest_pyfunc_call(_Item("tests/kernels/x.py::t", "vendored", None)) is None
+
+
+def test_a_finding_holds_on_cuda_only_where_it_says():
+    conv = next(f for f in FINDINGS if f.key == "vllm-conv-16bit-products")
+    from tests.kernels.peer_findings import finding_for
+    bf16 = "tests/kernels/test_causal_conv1d.py::test_16bit_inputs[bf16]"
+    assert finding_for("vllm", bf16, cuda=True) is conv
+    assert finding_for("vllm", bf16, cuda=False) is None          # the interpreter multiplies bf16 in fp32
+    assert finding_for("vllm", bf16.replace("bf16", "fp16"), cuda=False) is conv
+    assert finding_for("mamba_ssm", bf16, cuda=True) is None
