@@ -138,14 +138,16 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(checkpoint: Path, *, batch: int, graphs: bool, steps: int, dtype: str, device: str,
-            rate: float | None = None) -> dict:
+            rate: float | None = None, batch_invariant: bool = False) -> dict:
     """Tokens/s of `steps` decode steps at this batch size (engine and forward alone), and the weight-read bound
-    at copy rate `rate` (bytes/s) where given."""
+    at copy rate `rate` (bytes/s) where given; `batch_invariant`: the engine's batch-invariant mode
+    (bench/invariant_cost.py)."""
     from vendored.engine import LLMEngine          # after prepare_environment: the interpreter where no CUDA
 
     engine = LLMEngine(checkpoint, dtype=dtype, device=device, max_num_seqs=batch,
                        max_num_batched_tokens=batch * PROMPT_TOKENS,
-                       max_model_len=PROMPT_TOKENS + WARMUP_STEPS + 2 * steps + 2, cuda_graphs=graphs)
+                       max_model_len=PROMPT_TOKENS + WARMUP_STEPS + 2 * steps + 2, cuda_graphs=graphs,
+                       batch_invariant=batch_invariant)
     try:
         vocab = engine.cfg.vocab_size
         for i in range(batch):
