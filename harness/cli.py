@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="the oracle's gated RMSNorm: per group (Bamba) or full width (transformers)")
     compare.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                          help="an adapter-specific option, repeatable")
+    compare.add_argument("--oracle-memory", default=None, metavar="SIZE",
+                         help="cap on a reference model's memory (16GiB, 500MB, bytes): one whose weights would not "
+                              "fit it resident runs layer-streamed (default: no cap, resident)")
     compare.add_argument("--allow-skips", action="store_true",
                          help="exit 0 (not 5) when every selected scenario was skipped")
     compare.add_argument("--against", default=None, metavar="ENGINE",
@@ -173,6 +176,24 @@ def _check_weights(checkpoint: Path, cfg) -> None:
         check_weights(cfg, headers)
     except CheckpointError as err:
         raise UsageError(f"checkpoint {where}: {err}") from err
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 2**10, "kib": 2**10,
+               "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+
+
+def parse_size(text: str, option: str = "--oracle-memory") -> int:
+    """Bytes of '16GiB', '16G' (binary), '16GB' (decimal), '500MiB', '1e9' or '1048576'; UsageError otherwise."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise UsageError(f"{option} {text!r}: expected a size such as 16GiB, 500MB or a number of bytes")
+    value = float(match.group(1)) * _SIZE_UNITS[unit]
+    if value < 1:
+        raise UsageError(f"{option} {text!r}: expected a positive size")
+    return int(value)
 
 
 def _check_device(name: str) -> None:
@@ -273,6 +294,8 @@ def _validate(args) -> _Plan:
     engine_args, against_args = _engine_args("--engine-arg", args.engine_arg), _engine_args("--against-arg",
                                                                                              args.against_arg)
     _check_device(args.device)
+    if getattr(args, "oracle_memory", None) is not None and not isinstance(args.oracle_memory, int):
+        args.oracle_memory = parse_size(args.oracle_memory)
     checkpoint = Path(args.checkpoint)
     cfg = _read_config(checkpoint)
     _check_weights(checkpoint, cfg)
@@ -359,7 +382,8 @@ def _settings(args, plan: _Plan) -> tuple[dict, dict]:
                 "dtype": dtype_name(plan.dtype), "device": args.device, "baseline": baseline, "k": plan.k,
                 "atol": ATOL[plan.dtype] if args.atol is None else args.atol, "oracle_gated_norm": args.gated_norm,
                 "prompts": "random" if not plan.source.prompts else "file", "allow_skips": args.allow_skips,
-                "selected": [s.id for s in plan.scenarios]}
+                "selected": [s.id for s in plan.scenarios],
+                "oracle": {"memory_limit_bytes": getattr(args, "oracle_memory", None)}}
     return baseline, settings
 
 
@@ -383,7 +407,8 @@ def _compare_here(args) -> int:
     out = Path(args.out)
     baseline, settings = _settings(args, plan)
     started = time.time()
-    oracle = Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm)
+    oracle = Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm,
+                    memory_limit=getattr(args, "oracle_memory", None))
     reports, entries = [], []
     try:
         for scenario in tqdm(plan.scenarios, desc=f"{args.engine} {settings['dtype']}", unit="scenario",
@@ -398,10 +423,23 @@ def _compare_here(args) -> int:
         raise
     finally:
         oracle.close()
+    settings["oracle"] = oracle.describe()
+    _print_oracle(settings["oracle"])
     finished = time.time()
     document = _finish(args, plan, settings, baseline, entries, reports, started, finished)
     print(report_doc.summary_line(document["counts"], finished - started))
     return _exit_status(document, allow_skips=args.allow_skips)
+
+
+def _print_oracle(oracle: dict) -> None:
+    """One line per reference model that ran streamed (the report has them all)."""
+    for model in oracle["models"]:
+        if model["weights"] == "streamed":
+            print(f"oracle: {model['dtype']} layer-streamed under --oracle-memory "
+                  f"{oracle['memory_limit_bytes'] / 2**30:.3g} GiB: {model['peak_weight_bytes'] / 2**30:.3g} GiB of "
+                  f"weights held at most (resident: {model['weight_bytes'] / 2**30:.3g} GiB)"
+                  + (f"; device peak {oracle['device_peak_bytes'] / 2**30:.3g} GiB"
+                     if oracle["device_peak_bytes"] else ""), file=sys.stderr)
 
 
 def _finish(args, plan: _Plan, settings: dict, baseline: dict, entries: list[dict], reports: list, started: float,
@@ -451,7 +489,8 @@ def _worker_job(run: dict, scenario_id: str, job: int) -> tuple[dict, object, fl
     args = argparse.Namespace(**run)
     if args.checkpoint not in _WORKER:
         plan = _validate(args)
-        _WORKER[args.checkpoint] = plan, Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm)
+        _WORKER[args.checkpoint] = plan, Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm,
+                                                memory_limit=getattr(args, "oracle_memory", None))
     plan, oracle = _WORKER[args.checkpoint]
     scenario = next(s for s in plan.scenarios if s.id == scenario_id)
     ticks = _WORKER["ticks"]

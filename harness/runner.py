@@ -83,13 +83,55 @@ def _key(req: Request) -> tuple:
 class Oracle:
     """The fp64 reference of one checkpoint. gated_norm: "grouped" (Bamba) or "full" (what transformers computes)."""
 
-    def __init__(self, checkpoint: str | Path, *, device: str | torch.device = "cpu", gated_norm: str = "grouped"):
+    def __init__(self, checkpoint: str | Path, *, device: str | torch.device = "cpu", gated_norm: str = "grouped",
+                 memory_limit: int | None = None):
+        """memory_limit (bytes; --oracle-memory): a reference model whose weights in its dtype, with ROOM_FACTOR
+        for its activations, exceed it runs layer-streamed (reference/model.py), else resident; None: resident."""
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
         self.gated_norm = gated_norm
+        if memory_limit is not None and memory_limit <= 0:
+            raise ValueError(f"memory_limit: expected a positive number of bytes, got {memory_limit}")
+        self.memory_limit = memory_limit
         self._engines: dict[tuple, ReferenceEngine] = {}
         self._results: dict[tuple, RequestResult] = {}
         self._errors: dict[tuple, list[float]] = {}
+        self._usage: dict[tuple, dict] = {}          # (dtype, ssm_state_dtype) -> what describe() reports of it
+        self._device_peak: int | None = None
+
+    def weights_mode(self, dtype: torch.dtype = torch.float64) -> str:
+        """"streamed" when the reference in `dtype` would not fit memory_limit resident (weights x ROOM_FACTOR)."""
+        if self.memory_limit is None:
+            return "resident"
+        return "streamed" if parameter_count(self.checkpoint) * dtype.itemsize * ROOM_FACTOR > self.memory_limit \
+            else "resident"
+
+    def describe(self) -> dict:
+        """What report.json says of the reference models this oracle ran: the cap, and for each (the fp64 oracle,
+        the budget's twins) its dtype, whether resident or streamed, its weights' full size and the most bytes of
+        weights it held at once; on a GPU the peak device memory while they ran (the whole process's)."""
+        self._note_usage()
+        return {"memory_limit_bytes": self.memory_limit, "device_peak_bytes": self._device_peak,
+                "models": [dict(u) for u in self._usage.values()]}
+
+    def _note_usage(self) -> None:
+        for key, engine in self._engines.items():
+            model = getattr(engine, "model", None)
+            if model is not None:
+                usage = self._usage[key]
+                usage["peak_weight_bytes"] = max(usage["peak_weight_bytes"], model.peak_weight_bytes)
+
+    def _run(self, key: tuple, requests: list[Request]) -> list[RequestResult]:
+        """The reference model `key` on requests, its device memory peak noted (on a GPU)."""
+        engine = self.engine(*key)
+        cuda = self.device.type == "cuda" and torch.cuda.is_available()    # (a test may simulate _on_gpu)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        results = engine.run(requests)
+        if cuda:
+            self._device_peak = max(self._device_peak or 0, torch.cuda.max_memory_allocated(self.device))
+        self._note_usage()
+        return results
 
     def engine(self, dtype: torch.dtype = torch.float64, ssm_state_dtype: str | None = None) -> ReferenceEngine:
         """The reference in `dtype`, ORACLE_STEP_TOKENS per step. With an SSM state dtype narrower than `dtype` it
@@ -98,12 +140,17 @@ class Oracle:
         calibrated on. A wider one (float32 under bfloat16) runs its scan and keeps its state in it."""
         key = (dtype, ssm_state_dtype)
         if key not in self._engines:
-            self._make_room(dtype)
+            weights = self.weights_mode(dtype)
+            if weights == "resident":
+                self._make_room(dtype)
             narrower = ssm_state_dtype is not None and parse_dtype(ssm_state_dtype).itemsize < dtype.itemsize
             options = EngineOptions(allow_long_context=True, ssm_state_dtype=ssm_state_dtype,
                                     max_num_batched_tokens=1 if narrower else ORACLE_STEP_TOKENS,
-                                    engine_args={"gated_norm": self.gated_norm})
+                                    engine_args={"gated_norm": self.gated_norm, "weights": weights})
             self._engines[key] = ReferenceEngine(self.checkpoint, dtype=dtype, device=self.device, options=options)
+            self._usage.setdefault(key, {"dtype": dtype_name(dtype), "ssm_state_dtype": ssm_state_dtype,
+                                         "weights": weights, "peak_weight_bytes": 0,
+                                         "weight_bytes": parameter_count(self.checkpoint) * dtype.itemsize})
             if key == (torch.float64, None):                # the oracle proper: results() runs it
                 self._engines[key].near_k = NEAR_TIE_K
         return self._engines[key]
@@ -143,7 +190,7 @@ class Oracle:
         """The fp64 oracle's results (every request together), in request order."""
         missing = {_key(r): r for r in requests if _key(r) not in self._results}
         if missing:
-            for key, result in zip(missing, self.engine().run(list(missing.values()))):
+            for key, result in zip(missing, self._run((torch.float64, None), list(missing.values()))):
                 self._results[key] = result
         return [replace(self._results[_key(r)], request_id=r.request_id) for r in requests]
 
@@ -177,7 +224,7 @@ class Oracle:
         missing = [(r, b) for r, b in zip(requests, base) if (config, _key(r)) not in self._errors]
         if missing:
             forced = [r.teacher_forced(b.output_ids) for r, b in missing]
-            for (req, b), result in zip(missing, self.engine(dtype, ssm_state_dtype).run(forced)):
+            for (req, b), result in zip(missing, self._run((dtype, ssm_state_dtype), forced)):
                 self._errors[config, _key(req)] = (result.prompt_logprobs - b.sequence_logprobs()).abs().tolist()
         return [self._errors[config, _key(r)] for r in requests]
 
@@ -226,6 +273,7 @@ class Oracle:
         self._errors.update(cache["errors"])
 
     def close(self) -> None:
+        self._note_usage()
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()

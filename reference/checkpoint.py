@@ -125,34 +125,102 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def check_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Check names and shapes against the config; resolve tied embeddings. Returns the tensors the model reads."""
+def _check_tied_head(head: torch.Tensor, embed: torch.Tensor | None) -> None:
+    # Some writers store the tied head anyway; accept it only if it really is the embedding.
+    if embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
+        raise CheckpointError("lm_head.weight: tie_word_embeddings is true but lm_head.weight differs from "
+                              "model.embed_tokens.weight")
+
+
+def _check_names(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> None:
+    """The stored names, shapes and dtypes (a torch or safetensors dtype name) against what the config expects."""
     expected = expected_shapes(cfg)
-    tensors = dict(tensors)
-    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
-        # Some writers store the tied head anyway; accept it only if it really is the embedding.
-        head = tensors.pop("lm_head.weight")
-        embed = tensors.get("model.embed_tokens.weight")
-        if embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
-            raise CheckpointError("lm_head.weight: tie_word_embeddings is true but lm_head.weight differs from "
-                                  "model.embed_tokens.weight")
-    missing = sorted(set(expected) - set(tensors))
+    missing = sorted(set(expected) - set(shapes))
     if missing:
         first = missing[0]
         raise CheckpointError(f"{first}: missing from the checkpoint (expected shape {expected[first]}); "
                               f"{len(missing)} missing in all: {missing[:8]}")
-    unexpected = sorted(set(tensors) - set(expected))
+    unexpected = sorted(set(shapes) - set(expected))
     if unexpected:
         raise CheckpointError(f"{unexpected[0]}: unexpected tensor, the config has no such parameter; "
                               f"{len(unexpected)} unexpected in all: {unexpected[:8]}")
     for key, shape in expected.items():
-        if tuple(tensors[key].shape) != shape:
-            raise CheckpointError(f"{key}: expected shape {shape}, got {tuple(tensors[key].shape)}")
-        if not tensors[key].is_floating_point():
-            raise CheckpointError(f"{key}: expected a floating-point tensor, got {tensors[key].dtype}")
+        if tuple(shapes[key]) != shape:
+            raise CheckpointError(f"{key}: expected shape {shape}, got {tuple(shapes[key])}")
+        if not _floating(dtypes[key]):
+            raise CheckpointError(f"{key}: expected a floating-point tensor, got {dtypes[key]}")
+
+
+def _floating(dtype: str) -> bool:
+    """torch.float32 / torch.bfloat16 (a tensor's) or F32 / BF16 / F8_E4M3 (a safetensors header's)."""
+    name = dtype.removeprefix("torch.")
+    return name.startswith(("float", "bfloat", "F", "BF"))
+
+
+def check_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Check names and shapes against the config; resolve tied embeddings. Returns the tensors the model reads."""
+    tensors = dict(tensors)
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        _check_tied_head(tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight"))
+    _check_names(cfg, {k: tuple(t.shape) for k, t in tensors.items()}, {k: str(t.dtype) for k, t in tensors.items()})
     if cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     return tensors
+
+
+class LazyWeights:
+    """A checkpoint's tensors read one at a time from its safetensors files (memory-mapped), for the layer-streamed
+    oracle: the names, shapes and dtypes are checked against the config from the files' headers when it opens, as
+    check_weights checks loaded tensors, and no tensor is read until `load` asks for it."""
+
+    def __init__(self, path: str | Path, cfg: ModelConfig) -> None:
+        self.path, self.cfg = Path(path), cfg
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: checkpoint directory does not exist")
+        self._file: dict[str, Path] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, str] = {}
+        for file in _safetensors_files(self.path):
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for key in handle.keys():
+                        if key in self._file:
+                            raise CheckpointError(f"{key}: stored twice (again in {file.name})")
+                        part = handle.get_slice(key)
+                        self._file[key], shapes[key], dtypes[key] = file, tuple(part.get_shape()), part.get_dtype()
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"{file}: cannot read it as safetensors (truncated or corrupt?): {err}") from err
+        if cfg.tie_word_embeddings and "lm_head.weight" in shapes:
+            embed = self._read("model.embed_tokens.weight") if "model.embed_tokens.weight" in shapes else None
+            _check_tied_head(self._read("lm_head.weight"), embed)
+            for table in (self._file, shapes, dtypes):
+                del table["lm_head.weight"]
+        _check_names(cfg, shapes, dtypes)
+        self.shapes = dict(shapes)
+        self._stored = dict(dtypes)
+        if cfg.tie_word_embeddings:
+            self._file["lm_head.weight"] = self._file["model.embed_tokens.weight"]
+            self.shapes["lm_head.weight"] = self.shapes["model.embed_tokens.weight"]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.shapes
+
+    def keys(self):
+        return self.shapes.keys()
+
+    def _read(self, key: str) -> torch.Tensor:
+        try:
+            with safe_open(str(self._file[key]), framework="pt") as handle:
+                return handle.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{self._file[key]}: cannot read {key} (truncated or corrupt?): {err}") from err
+
+    def load(self, key: str) -> torch.Tensor:
+        """The tensor as stored (the tied head: the embedding)."""
+        if key not in self.shapes:
+            raise KeyError(f"{key}: not a tensor of this model")
+        stored = "model.embed_tokens.weight" if key == "lm_head.weight" and self.cfg.tie_word_embeddings else key
+        return self._read(stored)
 
 
 def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -8,6 +8,14 @@ into one token stream, the way an engine batches, and each mixer keeps the seque
 
 Runs in fp64 by default (fp32 or lower on request), on any device torch supports.
 
+Weights resident or streamed. Resident (a dict of tensors): every weight converted once and held. Streamed (a
+LazyWeights, `from_pretrained(path, streamed=True)`): each call reads one layer's weights from the memory-mapped
+safetensors, converts them to the model's dtype on its device, runs that layer over every sequence of the call, and
+frees them before the next layer; the embedding and the head likewise, each in its turn. Peak memory is then one
+layer's weights (or the embedding's) plus the activations and states of the call, whatever the depth, at the price
+of reading the checkpoint once per call. Both run the same operations on the same converted values, so they give the
+same bits on the same device (tests/reference/test_streamed.py).
+
 GraniteMoeHybrid is the same network with a different feed-forward block and a few scalars (reference/README.md):
 its embedding, residual branches and logits are scaled by config multipliers, its attention scale is a config value,
 its attention may have no RoPE at all, and its feed-forward is a shared SwiGLU plus, optionally, a mixture of routed
@@ -16,13 +24,15 @@ SwiGLU experts. One class computes both; `cfg.model_type` chooses the block and 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from .checkpoint import check_weights, key_names, load_checkpoint
+from .checkpoint import LazyWeights, check_weights, expected_shapes, key_names, load_checkpoint
 from .config import ModelConfig
 from .ops import (
     causal_conv1d_ref,
@@ -84,13 +94,32 @@ class BambaReference:
         self.allow_long_context = allow_long_context
         self.norm_group_size = cfg.gated_norm_group_size if gated_norm == "grouped" else cfg.mamba_inner
         self.scan_dtype = dtype if scan_dtype is None else scan_dtype
-        weights = check_weights(cfg, weights)
-        self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        if isinstance(weights, LazyWeights):
+            self.w: _Resident | _Streamed = _Streamed(weights, dtype, self.device)
+        else:
+            weights = check_weights(cfg, weights)
+            self.w = _Resident({k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()})
+        shapes = expected_shapes(cfg)
+        self._layer_keys = [[k for k in shapes if k.startswith(f"model.layers.{i}.")]
+                            for i in range(cfg.num_hidden_layers)]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> "BambaReference":
+    def from_pretrained(cls, path: str | Path, *, streamed: bool = False, **kwargs) -> "BambaReference":
+        """streamed: read each layer's weights from the checkpoint when a call reaches it (module docstring)."""
+        if streamed:
+            cfg = ModelConfig.from_json(Path(path) / "config.json")
+            return cls(cfg, LazyWeights(path, cfg), **kwargs)
         cfg, weights = load_checkpoint(path)
         return cls(cfg, weights, **kwargs)
+
+    @property
+    def streamed(self) -> bool:
+        return isinstance(self.w, _Streamed)
+
+    @property
+    def peak_weight_bytes(self) -> int:
+        """The most bytes of converted weights held at once so far (resident: all of them)."""
+        return self.w.peak_bytes
 
     # ---- state -------------------------------------------------------------------------------------------
     def initial_state(self) -> SequenceState:
@@ -127,19 +156,32 @@ class BambaReference:
 
         cfg, names = self.cfg, key_names(self.cfg)
         m_r = cfg.residual_multiplier                                                # 1 for Bamba
-        h = F.embedding(torch.cat(tokens), self.w["model.embed_tokens.weight"]) * cfg.embedding_multiplier  # (T, D)
-        for i, kind in enumerate(cfg.layer_types):
-            p = f"model.layers.{i}."
-            normed = rms_norm_ref(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            if kind == "mamba":
-                h = h + m_r * self._mamba(i, normed, cu_seqlens, states, new_states)
-            else:
-                h = h + m_r * self._attention(i, normed, cu_seqlens, states, new_states)
-            normed = rms_norm_ref(h, self.w[p + names["ffn_norm"]], cfg.rms_norm_eps)
-            h = h + m_r * (self._granite_ffn(i, normed) if cfg.granite else self._mlp(i, normed))
-        h = rms_norm_ref(h, self.w[names["final_norm"]], cfg.rms_norm_eps)
-        logits = F.linear(h, self.w["lm_head.weight"]) / cfg.logits_scaling           # (T, V)
+        with self._progress(len(lengths), sum(lengths)) as bar:
+            with self.w.scope(["model.embed_tokens.weight"]):
+                h = F.embedding(torch.cat(tokens), self.w["model.embed_tokens.weight"]) * cfg.embedding_multiplier
+            for i, kind in enumerate(cfg.layer_types):                                   # h (T, D)
+                p = f"model.layers.{i}."
+                with self.w.scope(self._layer_keys[i]):
+                    normed = rms_norm_ref(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+                    if kind == "mamba":
+                        h = h + m_r * self._mamba(i, normed, cu_seqlens, states, new_states)
+                    else:
+                        h = h + m_r * self._attention(i, normed, cu_seqlens, states, new_states)
+                    normed = rms_norm_ref(h, self.w[p + names["ffn_norm"]], cfg.rms_norm_eps)
+                    h = h + m_r * (self._granite_ffn(i, normed) if cfg.granite else self._mlp(i, normed))
+                bar.update(1)
+            with self.w.scope([names["final_norm"], "lm_head.weight"]):
+                h = rms_norm_ref(h, self.w[names["final_norm"]], cfg.rms_norm_eps)
+                logits = F.linear(h, self.w["lm_head.weight"]) / cfg.logits_scaling       # (T, V)
         return list(logits.split(lengths)), new_states
+
+    def _progress(self, n_seqs: int, n_tokens: int):
+        """Streamed: a bar of the call's layers (layer i of L, the ETA), shown once a call has run two seconds (a
+        decode step of a small model never shows one); resident: none."""
+        if not self.streamed:
+            return contextlib.nullcontext(_NoBar())
+        return tqdm(total=self.cfg.num_hidden_layers, desc=f"streamed oracle: {n_seqs} seqs, {n_tokens} tokens",
+                    unit="layer", leave=False, delay=2.0)
 
     def _check_piece(self, b: int, piece, state: SequenceState) -> torch.Tensor:
         ids = torch.as_tensor(piece, dtype=torch.long).reshape(-1).to(self.device)
@@ -244,3 +286,47 @@ class BambaReference:
                 logits, state = self.forward(torch.tensor([token]), state)
                 last = logits[-1]
         return tokens, torch.stack(steps) if steps else torch.empty(0, self.cfg.vocab_size)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+class _Resident(dict):
+    """Every weight converted once and held (BambaReference's default)."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in self.values()}.values())
+
+    def scope(self, keys):
+        return contextlib.nullcontext()
+
+
+class _Streamed:
+    """The weights of the scope being computed, read from a LazyWeights and converted as the resident model converts
+    them (`tensor.to(device=, dtype=)`), freed when the scope ends. Asking for a weight outside its scope is a
+    KeyError that says so: the forward pass must name what each part reads."""
+
+    def __init__(self, store: LazyWeights, dtype: torch.dtype, device: torch.device) -> None:
+        self.store, self.dtype, self.device = store, dtype, device
+        self._held: dict[str, torch.Tensor] = {}
+        self.peak_bytes = 0
+
+    @contextlib.contextmanager
+    def scope(self, keys):
+        self._held = {k: self.store.load(k).to(device=self.device, dtype=self.dtype) for k in keys}
+        self.peak_bytes = max(self.peak_bytes, sum(t.numel() * t.element_size() for t in self._held.values()))
+        try:
+            yield
+        finally:
+            self._held = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._held:
+            raise KeyError(f"{key}: not among the weights loaded for the part being computed (streamed oracle)")
+        return self._held[key]
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self.store else default

@@ -9,7 +9,9 @@ kv_block_size (the plan's preemptions and recomputations are executed too), allo
 (narrower than the run dtype: the SSM state is rounded to it between steps, as an engine's state cache would hold it;
 wider, say float32 under bfloat16: the recurrence computes and keeps its state in it, as engines run 16-bit models).
 engine_args: gated_norm = "grouped" (default; how Bamba was trained) | "full" (what transformers computes);
-batch_invariant = 1 (default 0): each piece of each request alone, one token per forward.
+batch_invariant = 1 (default 0): each piece of each request alone, one token per forward; weights = "resident"
+(default) | "streamed": each step reads one layer's weights at a time from the checkpoint (reference/model.py), for
+a model whose weights in the run dtype do not fit the device (the Oracle chooses it under a memory cap).
 
 Why a batch-invariant mode: a step packs every piece into one (T, D) matrix, and the CPU's fp64 matmuls give a row
 bits that depend on how many rows share the call (measured on fixtures/tiny-bamba: a 50-token prompt's logits
@@ -35,7 +37,7 @@ class ReferenceEngine(Engine):
     name = "reference"
     default_dtype = torch.float64
     families = ("bamba", "granitemoehybrid")
-    engine_arg_names = frozenset({"gated_norm", "batch_invariant"})
+    engine_arg_names = frozenset({"gated_norm", "batch_invariant", "weights"})
     has_scheduler = True
     batch_invariance = "--engine-arg batch_invariant=1 (each request alone, one token per forward)"
     samples = True      # a sampling request draws from softmax(logits / T) with a generator seeded by (seed, position)
@@ -51,6 +53,8 @@ class ReferenceEngine(Engine):
             reasons.append("cuda_graphs: the reference has no graph capture")
         if options.engine_args.get("gated_norm", "grouped") not in ("grouped", "full"):
             reasons.append(f"gated_norm: expected 'grouped' or 'full', got {options.engine_args['gated_norm']!r}")
+        if options.engine_args.get("weights", "resident") not in ("resident", "streamed"):
+            reasons.append(f"weights: expected 'resident' or 'streamed', got {options.engine_args['weights']!r}")
         if engine_flag(options.engine_args.get("batch_invariant", 0)) is None:
             reasons.append(f"batch_invariant: expected one of {', '.join(FLAG_VALUES)}, got "
                            f"{options.engine_args['batch_invariant']!r}")
@@ -64,7 +68,8 @@ class ReferenceEngine(Engine):
             self.checkpoint, dtype=self.dtype, device=self.device,
             gated_norm=self.options.engine_args.get("gated_norm", "grouped"),
             allow_long_context=self.options.allow_long_context,
-            scan_dtype=state if wider else None)                    # a wider state: the scan computes in it
+            scan_dtype=state if wider else None,                    # a wider state: the scan computes in it
+            streamed=self.options.engine_args.get("weights", "resident") == "streamed")
         self.ssm_state_dtype = None if wider else state               # a narrower one: rounded between steps
 
     def close(self) -> None:
