@@ -89,14 +89,22 @@ def test_logprobs_are_one_expression_whatever_the_path(width):
     assert float((rows.double() - want).abs().max()) <= 1e-5                 # a few fp32 ulps of |logits| ~ 20
 
 
-@pytest.mark.parametrize("width", [300, SORT_WIDTH + 500], ids=["torch-norm", "kernel-norm"])
+_ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("width, device", [
+    pytest.param(300, "cpu", id="torch-norm"), pytest.param(SORT_WIDTH + 500, "cpu", id="kernel-norm"),
+    pytest.param(300, "cuda", id="torch-norm-cuda", marks=_ON_CUDA),
+    pytest.param(SORT_WIDTH + 500, "cuda", id="kernel-norm-cuda", marks=_ON_CUDA),
+    pytest.param(128256, "cuda", id="vocab-128256-cuda", marks=_ON_CUDA)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [4, 20])
-def test_16bit_logits_rank_as_their_fp32_copy(width, dtype, k):
+def test_16bit_logits_rank_as_their_fp32_copy(width, dtype, k, device):
     # The CUDA-graph step ranks the head's 16-bit output directly (model.forward raw_logits): indices, logprobs and
-    # norms must be the bits of ranking its fp32 copy (what every other step ranks), ties and specials included.
+    # norms must be the bits of ranking its fp32 copy (what every other step ranks), ties and specials included; on
+    # a GPU too, where the kernel's loads (and so its reduction's layout) differ by dtype.
     gen = torch.Generator().manual_seed(width + k)
-    x = (torch.randn(5, width, generator=gen) * 6).to(dtype)
+    x = (torch.randn(5, width, generator=gen) * 6).to(dtype).to(device)
     x[1, ::7] = x[1, 3]                                                # ties
     x[2, 5], x[2, 9], x[3, 11] = float("inf"), float("-inf"), -0.0
     x[4, :] = float("-inf")

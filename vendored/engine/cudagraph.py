@@ -112,7 +112,11 @@ def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: in
     untouched), the forward as a decode step runs it, for bench/decode.py."""
     columns = stage_views(buffers.staged, size, buffers.table_width)[0]
     token_ids = buffers.tokens[columns[TOKEN_SOURCE]]
-    logits = model.forward(buffers.step_batch(size, token_ids), states, kv, raw_logits=True)
+    # raw 16-bit logits are ranked to the bits of their fp32 copy by the interpreter's kernel; in batch-invariant mode
+    # the graph ranks the fp32 copy itself, as the eager steps do, so that no claim about a GPU kernel's reduction
+    # order for another load dtype is needed for the same bits
+    raw = not getattr(model, "batch_invariant", False)
+    logits = model.forward(buffers.step_batch(size, token_ids), states, kv, raw_logits=raw)
     if not rank:
         return logits, None
     values, ids, _ = ranked_log_softmax(logits, min(GRAPH_TOP_K, logits.shape[-1]))
