@@ -36,12 +36,14 @@ def _pieces(cfg: ModelConfig, seed: int) -> list[list[torch.Tensor]]:
     return [[ids(2 * cfg.mamba_chunk_size + 3), ids(1), ids(cfg.mamba_chunk_size - 1)], [ids(5), ids(1)]]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-def test_streamed_gives_the_resident_bits(checkpoint, dtype):
-    resident = BambaReference.from_pretrained(checkpoint, dtype=dtype)
-    streamed = BambaReference.from_pretrained(checkpoint, dtype=dtype, streamed=True)
+def test_streamed_gives_the_resident_bits(checkpoint, dtype, device):
+    resident = BambaReference.from_pretrained(checkpoint, dtype=dtype, device=device)
+    streamed = BambaReference.from_pretrained(checkpoint, dtype=dtype, device=device, streamed=True)
     assert streamed.streamed and not resident.streamed
-    first, second = _pieces(resident.cfg, seed=3)
+    first, second = ([t.to(device) for t in call] for call in _pieces(resident.cfg, seed=3))
     outputs = []
     for model in (resident, streamed):
         logits, states = model.forward_batch(first, [model.initial_state() for _ in first])
