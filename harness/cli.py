@@ -273,6 +273,7 @@ class _Plan:
     scenarios: list
     source: object                     # PromptSource
     note: str                          # printed once everything is known to be good
+    oracle_memory: int | None          # --oracle-memory in bytes (None: no cap)
 
 
 def _validate(args) -> _Plan:
@@ -294,8 +295,7 @@ def _validate(args) -> _Plan:
     engine_args, against_args = _engine_args("--engine-arg", args.engine_arg), _engine_args("--against-arg",
                                                                                              args.against_arg)
     _check_device(args.device)
-    if getattr(args, "oracle_memory", None) is not None and not isinstance(args.oracle_memory, int):
-        args.oracle_memory = parse_size(args.oracle_memory)
+    oracle_memory = None if args.oracle_memory is None else parse_size(args.oracle_memory)
     checkpoint = Path(args.checkpoint)
     cfg = _read_config(checkpoint)
     _check_weights(checkpoint, cfg)
@@ -312,7 +312,7 @@ def _validate(args) -> _Plan:
         base_dtype = base_cls.default_dtype
     k = DEFAULT_K if args.k is None else args.k
     return _Plan(engine_cls, dtype, engine_args, base_cls, base_dtype, against_args, k, checkpoint, chosen, source,
-                 note)
+                 note, oracle_memory)
 
 
 def _run_one(plan: _Plan, scenario, args, oracle, progress=None) -> tuple[dict, object]:
@@ -383,7 +383,7 @@ def _settings(args, plan: _Plan) -> tuple[dict, dict]:
                 "atol": ATOL[plan.dtype] if args.atol is None else args.atol, "oracle_gated_norm": args.gated_norm,
                 "prompts": "random" if not plan.source.prompts else "file", "allow_skips": args.allow_skips,
                 "selected": [s.id for s in plan.scenarios],
-                "oracle": {"memory_limit_bytes": getattr(args, "oracle_memory", None)}}
+                "oracle": {"memory_limit_bytes": plan.oracle_memory}}
     return baseline, settings
 
 
@@ -407,8 +407,7 @@ def _compare_here(args) -> int:
     out = Path(args.out)
     baseline, settings = _settings(args, plan)
     started = time.time()
-    oracle = Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm,
-                    memory_limit=getattr(args, "oracle_memory", None))
+    oracle = Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm, memory_limit=plan.oracle_memory)
     reports, entries = [], []
     try:
         for scenario in tqdm(plan.scenarios, desc=f"{args.engine} {settings['dtype']}", unit="scenario",
@@ -490,7 +489,7 @@ def _worker_job(run: dict, scenario_id: str, job: int) -> tuple[dict, object, fl
     if args.checkpoint not in _WORKER:
         plan = _validate(args)
         _WORKER[args.checkpoint] = plan, Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm,
-                                                memory_limit=getattr(args, "oracle_memory", None))
+                                                memory_limit=plan.oracle_memory)
     plan, oracle = _WORKER[args.checkpoint]
     scenario = next(s for s in plan.scenarios if s.id == scenario_id)
     ticks = _WORKER["ticks"]

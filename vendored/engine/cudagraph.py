@@ -115,8 +115,7 @@ def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: in
     # raw 16-bit logits are ranked to the bits of their fp32 copy by the interpreter's kernel; in batch-invariant mode
     # the graph ranks the fp32 copy itself, as the eager steps do, so that no claim about a GPU kernel's reduction
     # order for another load dtype is needed for the same bits
-    raw = not getattr(model, "batch_invariant", False)
-    logits = model.forward(buffers.step_batch(size, token_ids), states, kv, raw_logits=raw)
+    logits = model.forward(buffers.step_batch(size, token_ids), states, kv, raw_logits=not model.batch_invariant)
     if not rank:
         return logits, None
     values, ids, _ = ranked_log_softmax(logits, min(GRAPH_TOP_K, logits.shape[-1]))
