@@ -104,18 +104,15 @@ def padded_decode_step(model: BambaEngineModel, buffers: DecodeBuffers, size: in
     """The decode step of `size` rows staged in the buffers (padding rows included): the token ids formed (a row
     whose token is pending takes the previous step's from next_ids), the forward on the staged inputs in place,
     and the ranking of every row (the GRAPH_TOP_K best and their logprobs: ranking.ranked_log_softmax); the greedy
-    tokens left in next_ids. Returns logits (size, V) (model.forward's with raw_logits: the head's output in the
-    model's dtype, which the fp32 logits would hold exactly, when the model does not scale its logits; ranked from
-    them, as from their fp32 copy, to the same bits) and ranked (size, 2·K) fp64: each row's K values then
+    tokens left in next_ids. Returns logits (size, V) fp32 (model.forward's, ranked as every eager step ranks
+    them: ranking 16-bit logits directly gave other bits on a GPU, whose kernel reduces a row in another layout for
+    another load dtype) and ranked (size, 2·K) fp64: each row's K values then
     its K ids (fp64 holds both exactly), K = min(GRAPH_TOP_K, V). Every shape depends on `size` and the table width
     only, and nothing reads a value back to the host. rank=False: the step without its ranking (ranked None, next_ids
     untouched), the forward as a decode step runs it, for bench/decode.py."""
     columns = stage_views(buffers.staged, size, buffers.table_width)[0]
     token_ids = buffers.tokens[columns[TOKEN_SOURCE]]
-    # raw 16-bit logits are ranked to the bits of their fp32 copy by the interpreter's kernel; in batch-invariant mode
-    # the graph ranks the fp32 copy itself, as the eager steps do, so that no claim about a GPU kernel's reduction
-    # order for another load dtype is needed for the same bits
-    logits = model.forward(buffers.step_batch(size, token_ids), states, kv, raw_logits=not model.batch_invariant)
+    logits = model.forward(buffers.step_batch(size, token_ids), states, kv)
     if not rank:
         return logits, None
     values, ids, _ = ranked_log_softmax(logits, min(GRAPH_TOP_K, logits.shape[-1]))

@@ -127,12 +127,10 @@ class BambaEngineModel:
             if _merge(self.w, f"model.layers.{i}.feed_forward.", ("gate_proj", "up_proj"), "gate_up_proj"):
                 self.gate_up_merged.add(i)
 
-    def forward(self, batch: StepBatch, states: StatePool, kv: KVCache, *, raw_logits: bool = False) -> torch.Tensor:
-        """Runs the step, updating states and K/V in place. Returns fp32 logits (len(logits_rows), V); raw_logits:
-        they may come in the model's dtype, as the head computes them, when the model does not scale its logits
-        (the fp32 logits hold the same values; one copy of every row saved)."""
+    def forward(self, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
+        """Runs the step, updating states and K/V in place. Returns fp32 logits (len(logits_rows), V)."""
         h, ffn = self.run_layers(self.embed(batch), batch, states, kv, last_added=False)
-        return self.logits(h, batch, ffn, raw=raw_logits)
+        return self.logits(h, batch, ffn)
 
     def embed(self, batch: StepBatch) -> torch.Tensor:
         # rows gathered by indexing, not F.embedding: its index_select kernel took 6.2 µs for a decode step's 8
@@ -158,19 +156,15 @@ class BambaEngineModel:
             return h, ffn
         return h if ffn is None else h + ffn
 
-    def logits(self, h: torch.Tensor, batch: StepBatch, delta: torch.Tensor | None = None, *,
-               raw: bool = False) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, batch: StepBatch, delta: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of the rows batch.logits_rows of the residual stream h + delta (delta: the last sublayer's
         output, added by the final norm's launch; the sum rounds as h + delta would). A static decode step wants
-        every row: no gather. raw: the head's output in the model's dtype where the model does not scale logits."""
+        every row: no gather."""
         if not batch.static_decode:
             h = h[batch.logits_rows]
             delta = None if delta is None else delta[batch.logits_rows]
         h = self._add_norm(h, delta, self.w[self.cfg.final_norm_key], self.cfg.rms_norm_eps)[1]
-        logits = self._mm(h, self.w["lm_head.weight"])
-        if raw and self.cfg.logits_scaling == 1:
-            return logits
-        logits = logits.float()
+        logits = self._mm(h, self.w["lm_head.weight"]).float()
         return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1 else logits
 
     def _mm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

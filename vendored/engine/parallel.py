@@ -418,8 +418,8 @@ class ParallelModel:
             raise
         workers.ready = True
 
-    def forward(self, batch: StepBatch, states: StatePool, kv: KVCache, *, raw_logits: bool = False) -> torch.Tensor:
-        """fp32 logits from the ranks (raw_logits, which allows the model's dtype, changes nothing here)."""
+    def forward(self, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
+        """fp32 logits from the ranks."""
         if self._failed:
             raise EngineError(f"the parallel workers were shut down after an earlier failure: {self._failed}")
         payload = ("step", _pack(batch))

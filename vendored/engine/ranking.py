@@ -83,7 +83,25 @@ def log_softmax_norm(logits: torch.Tensor) -> torch.Tensor:
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     top = x.masked_fill(torch.isnan(x), float("-inf")).amax(dim=-1, keepdim=True)
     shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    return torch.cat([shift, torch.exp(x - shift).sum(dim=-1, keepdim=True).log()], dim=-1)
+    return torch.cat([shift, _row_sums(torch.exp(x - shift)).log()], dim=-1)
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """(n, 1) sums of the rows of x (n, V) in one fixed pairwise tree (the row zero-padded to a power of two, then
+    halves added element-wise until one column is left): a row's sum is the same bits whatever the other rows, the
+    batch size and the device. torch's own sum chooses its reduction's layout from the whole tensor's shape (on
+    CUDA the tiny model's decode steps replayed as graphs, padded to their captured sizes, gave norms one fp32 ulp
+    from the eager steps' on an H100, 2026-12-06), and max needs no such care (it is exact in any order)."""
+    width = x.shape[-1]
+    if width == 0:
+        return x.new_zeros(*x.shape[:-1], 1)
+    padded = 1 << (width - 1).bit_length()
+    if padded != width:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-1], padded - width)], dim=-1)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
 
 
 def log_softmax_at(x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
