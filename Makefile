@@ -60,9 +60,10 @@ test-all: $(STAMP)
 	$(PYTEST_CPU) -m "not gpu" tests
 
 # On the GPU image: the gpu-marked tests plus everything else that runs on CUDA when it is present, GPU_XDIST
-# processes sharing the one GPU (on an H200 from cold: 8 workers 97 s, 4 workers 110-141 s; one process took over
-# 8 min). Each worker returns its cached GPU memory after every test; the tests that need more than a worker's
-# share carry pytest.mark.xdist_group("large-gpu-memory"), so --dist loadgroup runs them one at a time (conftest.py).
+# processes sharing the one GPU (on an H100 80GB, 2026-12-06: 8 workers 103 s from a fresh machine, 76 s with an
+# empty Triton cache on a warm one; 12 workers ran two tests out of memory; results/2026-12-06-h100-make-test-gpu).
+# Each worker returns its cached GPU memory after every test; the tests that need more than a worker's share carry
+# pytest.mark.xdist_group("large-gpu-memory"), so --dist loadgroup runs them one at a time (conftest.py).
 GPU_XDIST ?= 8
 test-gpu:
 	$(GPU_PY) -m pytest -p no:cacheprovider -n $(GPU_XDIST) --dist loadgroup --durations=20 \
