@@ -67,10 +67,12 @@ def workload_s(checkpoint, *, invariant: bool, budget: int | None, new: int, max
     from harness.scenarios import PromptSource
     from vendored.engine import LLMEngine
     cuda = device.startswith("cuda")
+    Q = json.loads((Path(checkpoint) / "config.json").read_text()).get("mamba_chunk_size", 256)
+    longest = 3 * Q + 2 + new                                    # the longest request below, prompt and output
     engine = LLMEngine(checkpoint, dtype=dtype, device=device, batch_invariant=invariant,
-                       max_model_len=max_model_len, **({} if budget is None else dict(max_num_batched_tokens=budget)))
+                       max_model_len=max(max_model_len, longest),
+                       **({} if budget is None else dict(max_num_batched_tokens=budget)))
     try:
-        Q = engine.cfg.chunk_size
         source = PromptSource.from_jsonl(ROOT / "fixtures" / "prompts.jsonl", engine.cfg.vocab_size)
         lengths = (1, 3, Q - 1, Q + 1, 2 * Q + 3, 3 * Q + 2)
         requests = [(f"r{i}", source.tokens(n, i), new) for i, n in enumerate(lengths)]
@@ -106,7 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-lengths", default=None,
                    help="(default 256,1024,4000 on CUDA, 64 on a CPU; each below the model's max positions)")
     p.add_argument("--new", type=int, default=8, help="tokens each request of the workload generates")
-    p.add_argument("--max-model-len", type=int, default=128, help="the workload's engines")
+    p.add_argument("--max-model-len", type=int, default=128,
+                   help="the workload's engines (raised to its longest request, 3Q + 2 + --new tokens)")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: decode, prefill, workload")
     p.add_argument("--out", default="out/bench")
     a = p.parse_args(argv)
