@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     compare.add_argument("--k", type=float, default=None, help="budget multiplier (default 2)")
     compare.add_argument("--atol", type=float, default=None, help="budget floor (default: per dtype, compare.py)")
+    compare.add_argument("--budget-rule", default="max", choices=("max", "quantile"),
+                         help="max: every position's budget from the reference's largest error on the workload; "
+                              "quantile: each position's from its own error, floored at a high quantile of them "
+                              "(harness/compare.py)")
+    compare.add_argument("--budget-quantile", type=float, default=None, metavar="Q",
+                         help="the quantile rule's floor (default 0.99; with --budget-rule quantile)")
     compare.add_argument("--gated-norm", default="grouped", choices=("grouped", "full"),
                          help="the oracle's gated RMSNorm: per group (Bamba) or full width (transformers)")
     compare.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -274,6 +280,7 @@ class _Plan:
     source: object                     # PromptSource
     note: str                          # printed once everything is known to be good
     oracle_memory: int | None          # --oracle-memory in bytes (None: no cap)
+    budget_quantile: float             # --budget-quantile (the quantile rule's floor)
 
 
 def _validate(args) -> _Plan:
@@ -296,6 +303,7 @@ def _validate(args) -> _Plan:
                                                                                              args.against_arg)
     _check_device(args.device)
     oracle_memory = None if args.oracle_memory is None else parse_size(args.oracle_memory)
+    budget_quantile = _budget_quantile(args)
     checkpoint = Path(args.checkpoint)
     cfg = _read_config(checkpoint)
     _check_weights(checkpoint, cfg)
@@ -312,7 +320,28 @@ def _validate(args) -> _Plan:
         base_dtype = base_cls.default_dtype
     k = DEFAULT_K if args.k is None else args.k
     return _Plan(engine_cls, dtype, engine_args, base_cls, base_dtype, against_args, k, checkpoint, chosen, source,
-                 note, oracle_memory)
+                 note, oracle_memory, budget_quantile)
+
+
+def _budget_quantile(args) -> float:
+    """--budget-quantile, checked against --budget-rule (and --against, which judges by the max rule)."""
+    from .compare import BUDGET_QUANTILE
+
+    if args.budget_quantile is not None and args.budget_rule != "quantile":
+        raise UsageError(f"--budget-quantile {args.budget_quantile:g}: expected --budget-rule quantile with it")
+    if args.budget_rule == "quantile" and args.against:
+        raise UsageError("--budget-rule quantile: not with --against (two engines' budgets add up by the max rule)")
+    quantile = BUDGET_QUANTILE if args.budget_quantile is None else args.budget_quantile
+    if not 0.5 <= quantile < 1:
+        raise UsageError(f"--budget-quantile {quantile:g}: expected a number in [0.5, 1)")
+    return quantile
+
+
+def _oracle(plan: _Plan, args):
+    from .runner import Oracle
+
+    return Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm, memory_limit=plan.oracle_memory,
+                  budget_rule=args.budget_rule, budget_quantile=plan.budget_quantile)
 
 
 def _run_one(plan: _Plan, scenario, args, oracle, progress=None) -> tuple[dict, object]:
@@ -400,14 +429,13 @@ def _compare_here(args) -> int:
     from tqdm import tqdm
 
     from . import report as report_doc
-    from .runner import Oracle
 
     plan = _validate(args)
     _start(args, plan)
     out = Path(args.out)
     baseline, settings = _settings(args, plan)
     started = time.time()
-    oracle = Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm, memory_limit=plan.oracle_memory)
+    oracle = _oracle(plan, args)
     reports, entries = [], []
     try:
         for scenario in tqdm(plan.scenarios, desc=f"{args.engine} {settings['dtype']}", unit="scenario",
@@ -482,14 +510,11 @@ def _worker_init(ticks) -> None:
 def _worker_job(run: dict, scenario_id: str, job: int) -> tuple[dict, object, float]:
     """One scenario of one model in a worker: the entry and Report that _run_one gives, and its seconds; every
     engine step is reported to the parent as (job, steps), for its progress bar."""
-    from .runner import Oracle
-
     began = time.time()
     args = argparse.Namespace(**run)
     if args.checkpoint not in _WORKER:
         plan = _validate(args)
-        _WORKER[args.checkpoint] = plan, Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm,
-                                                memory_limit=plan.oracle_memory)
+        _WORKER[args.checkpoint] = plan, _oracle(plan, args)
     plan, oracle = _WORKER[args.checkpoint]
     scenario = next(s for s in plan.scenarios if s.id == scenario_id)
     ticks = _WORKER["ticks"]

@@ -74,7 +74,10 @@ def _draw_report(ax, report: Report) -> None:
         ax.plot(comp.positions, [max(d, FLOOR) for d in comp.deltas], marker=".", linewidth=0.8,
                 label=comp.request_id)
     ax.axhline(max(report.meta.get("budget", FLOOR), FLOOR), color="black", linestyle="--", linewidth=1,
-               label="budget")
+               label="budget" if "budget_floor" not in report.meta else "largest position budget")
+    if "budget_floor" in report.meta:               # the quantile rule: most positions' budget
+        ax.axhline(max(report.meta["budget_floor"], FLOOR), color="grey", linestyle=":", linewidth=1,
+                   label="budget floor (quantile rule)")
     failed = [(f.position, abs(f.candidate_logprob - f.baseline_logprob)) for f in report.failures
               if f.what == "logprob"]
     if failed:

@@ -151,7 +151,9 @@ def format_table(entries: list[dict]) -> str:
             rows.append((e["scenario"], "-", "-", "-", "-", "-", "-", e["verdict"]))
             continue
         first = e["first_divergence"]
-        rows.append((e["scenario"], len(e["requests"]), f"{e['max_abs_delta']:.3g}", f"{e['budget']:.3g}",
+        budget = (f"{e['budget_floor']:.3g}..{e['budget']:.3g}" if e.get("budget_rule") == "quantile"
+                  else f"{e['budget']:.3g}")                   # the quantile rule: its floor up to its largest
+        rows.append((e["scenario"], len(e["requests"]), f"{e['max_abs_delta']:.3g}", budget,
                      f"{e['mean_kl']:.3g}", f"{e['top1_agreement']:.1%}", f"{first[0]}@{first[1]}" if first else "-",
                      e["verdict"]))
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)] + [0]

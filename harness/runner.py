@@ -26,7 +26,8 @@ from reference.checkpoint import parameter_count
 
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
-from .compare import ATOL, DEFAULT_K, Budget, Failure, NoiseFloor, Report, compare_runs, position_classes
+from .compare import (ATOL, BUDGET_QUANTILE, BUDGET_RULES, DEFAULT_K, Budget, Failure, NoiseFloor, Report, compare_runs,
+                      position_classes)
 from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
 from .invariance import FIELDS, first_difference
 from .scenarios import Configuration, PromptSource, Scenario, batching_shapes
@@ -84,15 +85,24 @@ class Oracle:
     """The fp64 reference of one checkpoint. gated_norm: "grouped" (Bamba) or "full" (what transformers computes)."""
 
     def __init__(self, checkpoint: str | Path, *, device: str | torch.device = "cpu", gated_norm: str = "grouped",
-                 memory_limit: int | None = None):
+                 memory_limit: int | None = None, budget_rule: str = "max",
+                 budget_quantile: float = BUDGET_QUANTILE):
         """memory_limit (bytes; --oracle-memory): a reference model whose weights in its dtype, with ROOM_FACTOR
-        for its activations, exceed it runs layer-streamed (reference/model.py), else resident; None: resident."""
+        for its activations, exceed it runs layer-streamed (reference/model.py), else resident; None: resident.
+        budget_rule, budget_quantile (--budget-rule, --budget-quantile): how budget() sets each position's
+        budget from the reference's own errors (harness/compare.py, BUDGET_RULES)."""
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
         self.gated_norm = gated_norm
         if memory_limit is not None and memory_limit <= 0:
             raise ValueError(f"memory_limit: expected a positive number of bytes, got {memory_limit}")
         self.memory_limit = memory_limit
+        if budget_rule not in BUDGET_RULES:
+            raise ValueError(f"budget_rule: expected one of {list(BUDGET_RULES)}, got {budget_rule!r}")
+        if isinstance(budget_quantile, bool) or not isinstance(budget_quantile, (int, float)) \
+                or not 0.5 <= budget_quantile < 1:
+            raise ValueError(f"budget_quantile: expected a number in [0.5, 1), got {budget_quantile!r}")
+        self.budget_rule, self.budget_quantile = budget_rule, float(budget_quantile)
         self._engines: dict[tuple, ReferenceEngine] = {}
         self._results: dict[tuple, RequestResult] = {}
         self._errors: dict[tuple, list[float]] = {}
@@ -199,7 +209,9 @@ class Oracle:
                calibration: Sequence[Request] = ()) -> Budget:
         """The budget of a candidate in `dtype` on these requests: k · E + atol, with E the largest error of the
         reference itself in that dtype (and SSM state dtype, where the reference can store its state so, else the
-        run dtype alone) over every position of the requests, teacher-forced on the oracle's continuations. When
+        run dtype alone) over every position of the requests, teacher-forced on the oracle's continuations; under
+        the quantile rule (budget_rule) each position's own, k · max(floor, its error) + atol, the floor the
+        budget_quantile of the errors over every position (harness/compare.py). When
         the requests hold fewer than MIN_BUDGET_POSITIONS positions, E is taken over the `calibration` requests
         too (calibration_requests: the model's batching workload): the maximum of a few dozen positions is too
         noisy a sample of the dtype's error level (harness/compare.py)."""
@@ -212,7 +224,13 @@ class Oracle:
             requests = [*requests, *calibration]
         rows = self._error_rows(requests, dtype, ssm_state_dtype)
         maxima = [max(r) if r else float("nan") for r in rows]
-        return Budget(k, atol, max((m for m in maxima if not math.isnan(m)), default=0.0))
+        largest = max((m for m in maxima if not math.isnan(m)), default=0.0)
+        if self.budget_rule == "max":
+            return Budget(k, atol, largest)
+        errors = sorted(e for r in rows for e in r if not math.isnan(e))
+        floor = errors[min(len(errors) - 1, math.ceil(self.budget_quantile * len(errors)) - 1)] if errors else 0.0
+        return Budget(k, atol, largest, floor=floor,
+                      positions={r.request_id: list(row) for r, row in zip(requests, rows)})
 
     def _error_rows(self, requests: Sequence[Request], dtype: torch.dtype,
                     ssm_state_dtype: str | None) -> list[list[float]]:

@@ -167,7 +167,8 @@ def worker(args) -> int:
     unknown = [s for s in scenarios if s not in by_id]
     if unknown:
         raise SystemExit(f"unknown scenarios {unknown}; this model has {', '.join(by_id)}")
-    oracle = (cache_only_oracle(Oracle) if args.cache_only else Oracle)(args.checkpoint, device=args.device)
+    oracle = (cache_only_oracle(Oracle) if args.cache_only else Oracle)(
+        args.checkpoint, device=args.device, budget_rule=args.budget_rule, budget_quantile=args.budget_quantile)
     if args.cache and Path(args.cache).is_file():
         oracle.load_cache(args.cache)
     results = Path(args.results)
@@ -210,6 +211,8 @@ def worker(args) -> int:
                                    checks=sorted({f.what for f in report.failures}),
                                    first_failure=report.failures[0].message()[:300] if report.failures else "",
                                    max_delta=report.max_delta, budget=report.meta["budget"],
+                                   delta_over_budget=report.meta.get("max_delta_over_position_budget",
+                                                                     report.max_delta / report.meta["budget"]),
                                    top1=report.top1_agreement, mean_kl=report.mean_kl,
                                    excess={k: v["ratio"] for k, v in excess.items() if v["judged"]},
                                    digest=_digest(report))
@@ -245,13 +248,20 @@ def worker(args) -> int:
     return status
 
 
+def _over_budget(row: dict) -> float:
+    """A run's largest |Δ| over its position's budget (the max rule: max |Δ| / budget; rows of an older run lack
+    delta_over_budget)."""
+    return row.get("delta_over_budget", row["max_delta"] / row["budget"])
+
+
 # ---- the driver --------------------------------------------------------------------------------------------------
 def _run_worker(tree: Path, results: Path, log: Path, *, checkpoint: Path, scenarios: str, dtypes: str, seeds: int,
                 device: str, cache: Path | None, save_cache: Path | None, timeout: int, seed_start: int = 0,
-                stop_at_kill: bool = False, repeat: bool = False, cache_only: bool = False) -> int:
+                stop_at_kill: bool = False, repeat: bool = False, cache_only: bool = False,
+                budget_rule: str, budget_quantile: float) -> int:
     cmd = [sys.executable, "-m", "mutants.scale", "--worker", "--checkpoint", str(checkpoint), "--scenarios",
            scenarios, "--dtypes", dtypes, "--seeds", str(seeds), "--seed-start", str(seed_start), "--device", device,
-           "--results", str(results)]
+           "--results", str(results), "--budget-rule", budget_rule, "--budget-quantile", repr(budget_quantile)]
     if stop_at_kill:
         cmd.append("--stop-at-kill")
     if repeat:
@@ -356,10 +366,10 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
             "outcome": outcome,
             "by": sorted({f"{r['scenario']}:{'/'.join(r.get('checks', []))}" for r in killed}),
             "missing": sorted(missing) if not killed else [],
-            "max_delta_over_budget": max((r["max_delta"] / r["budget"] for r in mine if "max_delta" in r),
+            "max_delta_over_budget": max((_over_budget(r) for r in mine if "max_delta" in r),
                                          default=None),
             "max_excess_ratio": max((v for r in mine for v in r.get("excess", {}).values()), default=None),
-            "clean_max_delta_over_budget": max((r["max_delta"] / r["budget"] for r in noise), default=None),
+            "clean_max_delta_over_budget": max((_over_budget(r) for r in noise), default=None),
             "clean_max_excess_ratio": max((v for r in noise for v in r.get("excess", {}).values()), default=None),
             "first_failure": killed[0].get("first_failure", "") if killed else "",
             # where a survivor's judged numbers are not the clean engine's, and their digests (the table notes
@@ -394,7 +404,7 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
                 and not r.get("repeat")]
         failed = [r for r in rows if r["verdict"] != "PASS"]
         lines.append(f"| {key[0]} | {key[1]} | {len(rows)} | {len(failed)} | "
-                     f"{_fmt(max((r['max_delta'] / r['budget'] for r in rows if 'max_delta' in r), default=None))} | "
+                     f"{_fmt(max((_over_budget(r) for r in rows if 'max_delta' in r), default=None))} | "
                      f"{_fmt(max((v for r in rows for v in r.get('excess', {}).values()), default=None))} |")
     lines += ["", "## Engine mutants", "", "| mutant | " + " | ".join(dtypes) + " | effect (max \\|Δ\\|/budget; excess "
               "ratio) per dtype |", "| --- | " + " | ".join("---" for _ in dtypes) + " | --- |"]
@@ -497,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda")
+    from harness.compare import BUDGET_QUANTILE, BUDGET_RULES
+    parser.add_argument("--budget-rule", default="max", choices=BUDGET_RULES,
+                        help="the judge's budget rule (harness/compare.py); keep one --out per rule")
+    parser.add_argument("--budget-quantile", type=float, default=BUDGET_QUANTILE,
+                        help="the quantile rule's floor (default %(default)s)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for the whole measurement: no worker starts after it and running ones are "
@@ -590,7 +605,7 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
                     return -1
                 status = _run_worker(tree, results, log, checkpoint=checkpoint, scenarios=args.scenarios,
                                      dtypes=args.dtypes, device=args.device, timeout=left, cache_only=cache_only,
-                                     **kwargs)
+                                     budget_rule=args.budget_rule, budget_quantile=args.budget_quantile, **kwargs)
             if status != NEEDS_ORACLE:
                 return status
         return status
@@ -678,7 +693,7 @@ def _report(args, out: Path, judged: list, skipped: dict[str, str], groups: list
     for m in summaries:                 # the noise floor: every clean seed
         for d in dtypes:
             noise = [r for r in clean if r["dtype"] == d and r["verdict"] == "PASS"]
-            m[d]["clean_max_delta_over_budget"] = max((r["max_delta"] / r["budget"] for r in noise), default=None)
+            m[d]["clean_max_delta_over_budget"] = max((_over_budget(r) for r in noise), default=None)
             m[d]["clean_max_excess_ratio"] = max((v for r in noise for v in r.get("excess", {}).values()),
                                                  default=None)
     summaries.sort(key=lambda m: m["name"])
@@ -689,6 +704,8 @@ def _report(args, out: Path, judged: list, skipped: dict[str, str], groups: list
     plot(summaries, dtypes, out / "power.png")
     report = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model,
                   scenarios=args.scenarios.split(","), dtypes=dtypes, clean_seeds=args.clean_seeds,
+                  budget_rule=args.budget_rule,
+                  budget_quantile=args.budget_quantile if args.budget_rule != "max" else None,
                   clean=clean, mutants=summaries, not_judged=skipped, incomplete=sorted(incomplete))
     (out / "report.json").write_text(json.dumps(report, indent=1))
     print(text)

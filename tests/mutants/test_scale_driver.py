@@ -29,7 +29,8 @@ def _fake_measurement(tmp_path, **changes):
     (model / "model.safetensors").write_bytes(b"0" * 100)
     (tmp_path / "out").mkdir()
     args = dict(model_dir=str(model), model="m", resume=False, time_limit=None, device="cpu", jobs=1,
-                scenarios="s", dtypes="bfloat16", clean_seeds=1, timeout=60)
+                scenarios="s", dtypes="bfloat16", clean_seeds=1, timeout=60, budget_rule="max",
+                budget_quantile=0.99)
     return SimpleNamespace(**{**args, **changes}), tmp_path / "out"
 
 
