@@ -67,9 +67,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # floor (ssu-state-in-input-dtype). batching-long-generation (thousands of greedy updates, 131 s a clean run) was in
 # this list for that bug; it did not kill it and killed nothing the others missed (sixth measurement,
 # docs/scale.md), so it is no longer a default.
-DEFAULT_SCENARIOS = ("chunked_prefill-capped-budget640-cap256-Q256,cudagraph-on,batching-together,"
-                     "chunked_prefill-budget257-Q256,preemption-blocks7x128-Q256,chunked_prefill-budget3-Q256,"
-                     "batching-long-decode,sampled-long-decode-T2")
+
+
+def default_scenarios(chunk_size: int) -> str:
+    """The scenarios judged by default on a model of chunk size Q: two continuing prefills a step (pieces capped at
+    Q in a budget of 5Q/2), CUDA graphs, batching, pieces of Q+1 and of 3 tokens, preemption with blocks of Q/2,
+    a long decode, and a sampled one."""
+    Q = chunk_size
+    return (f"chunked_prefill-capped-budget{5 * Q // 2}-cap{Q}-Q{Q},cudagraph-on,batching-together,"
+            f"chunked_prefill-budget{Q + 1}-Q{Q},preemption-blocks7x{Q // 2}-Q{Q},chunked_prefill-budget3-Q{Q},"
+            "batching-long-decode,sampled-long-decode-T2")
+
+
+DEFAULT_SCENARIOS = default_scenarios(256)                 # Bamba-9B's and Granite 4.0-H's Q
 REPEAT = "clean-seed0-repeat.jsonl"         # seed 0 again, in another process: which clean runs are reproducible
 DONE = {"done": True}                       # a results file's last line once its worker ran everything it had to
 OUT_OF_MEMORY = 3                           # a worker's exit status when a run ran out of GPU memory
@@ -496,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default=None, help="where the model is (written there if absent); "
                                                           "default: a directory under --out")
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS, help="scenario ids")
+    parser.add_argument("--scenarios", default=None,
+                        help="scenario ids (default: default_scenarios at the model's chunk size; at Q = 256 "
+                             f"{DEFAULT_SCENARIOS})")
     parser.add_argument("--clean-seeds", type=int, default=20, help="prompt seeds of the clean runs")
     parser.add_argument("--clean-procs", type=int, default=1,
                         help="processes for clean seeds 1.. (each loads the fp64 oracle once)")
@@ -525,6 +537,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.scenarios is None:
+        from harness import scale
+
+        config = Path(args.model_dir or "") / "config.json"
+        raw = json.loads(config.read_text()) if args.model_dir and config.is_file() else scale.config_dict(args.model)
+        args.scenarios = default_scenarios(raw["mamba_chunk_size"])
 
     from .mutant import load_all
 

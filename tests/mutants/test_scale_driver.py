@@ -400,3 +400,21 @@ def test_the_plot_draws_a_non_finite_effect_past_every_finite_one(tmp_path, monk
     widths = [b.get_width() for _, b in sorted(bars.items())]
     assert all(map(math.isfinite, widths)) and widths[1] > widths[0] == 3.0
     assert [b.get_hatch() for _, b in sorted(bars.items())] == [None, "//"]
+
+
+@pytest.mark.parametrize("checkpoint", ["fixtures/tiny-bamba", "bamba9b-2layer", "granite4h-tiny-2layer"])
+def test_the_default_scenarios_exist_at_every_chunk_size(checkpoint):
+    # the same eight roles at Q = 16 (tiny-bamba, deep-bamba) as at Q = 256 (the real-width models)
+    import json
+    from pathlib import Path
+
+    from harness import scale
+    from harness.scenarios import build_scenarios
+    from mutants.scale import DEFAULT_SCENARIOS, default_scenarios
+    from reference.config import ModelConfig
+
+    raw = (json.loads((Path(checkpoint) / "config.json").read_text()) if checkpoint.startswith("fixtures")
+           else scale.config_dict(checkpoint))
+    wanted = default_scenarios(raw["mamba_chunk_size"]).split(",")
+    assert len(wanted) == 8 and set(wanted) <= {s.id for s in build_scenarios(ModelConfig.from_dict(raw))}
+    assert DEFAULT_SCENARIOS == default_scenarios(256)
