@@ -102,7 +102,7 @@ _ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), r
 def test_16bit_logits_rank_as_their_fp32_copy(width, dtype, k, device):
     # Ranked directly, 16-bit logits give the indices of their fp32 copy (the same values exactly, so the same order
     # and ties), and logprobs and norms within rounding: not always the same bits (on an H100, 2026-12-06, the
-    # kernel reduced a 128256-wide row in another layout for 16-bit loads: one fp32 ulp), which is why every engine
+    # kernel reduced a 128256-wide row in another layout for 16-bit loads: other bits), which is why every engine
     # step, CUDA graphs included, ranks fp32 logits.
     gen = torch.Generator().manual_seed(width + k)
     x = (torch.randn(5, width, generator=gen) * 6).to(dtype).to(device)
