@@ -102,10 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     compare.add_argument("--k", type=float, default=None, help="budget multiplier (default 2)")
     compare.add_argument("--atol", type=float, default=None, help="budget floor (default: per dtype, compare.py)")
-    compare.add_argument("--budget-rule", default="max", choices=("max", "quantile"),
+    compare.add_argument("--budget-rule", default="max", metavar="RULE[,RULE]",
                          help="max: every position's budget from the reference's largest error on the workload; "
                               "quantile: each position's from its own error, floored at a high quantile of them "
-                              "(harness/compare.py)")
+                              "(harness/compare.py); two, comma-separated: the first gives the verdict, and "
+                              "report.json holds each rule's verdict on the same runs (`rules`)")
     compare.add_argument("--budget-quantile", type=float, default=None, metavar="Q",
                          help="the quantile rule's floor (default 0.99; with --budget-rule quantile)")
     compare.add_argument("--gated-norm", default="grouped", choices=("grouped", "full"),
@@ -327,9 +328,16 @@ def _budget_quantile(args) -> float:
     """--budget-quantile, checked against --budget-rule (and --against, which judges by the max rule)."""
     from .compare import BUDGET_QUANTILE
 
-    if args.budget_quantile is not None and args.budget_rule != "quantile":
+    from .compare import BUDGET_RULES
+
+    rules = [r.strip() for r in args.budget_rule.split(",")]
+    if any(r not in BUDGET_RULES for r in rules) or len(set(rules)) != len(rules):
+        raise UsageError(f"--budget-rule {args.budget_rule}: expected {' or '.join(BUDGET_RULES)}, or both "
+                         "comma-separated")
+    args.budget_rules = rules
+    if args.budget_quantile is not None and "quantile" not in rules:
         raise UsageError(f"--budget-quantile {args.budget_quantile:g}: expected --budget-rule quantile with it")
-    if args.budget_rule == "quantile" and args.against:
+    if "quantile" in rules and args.against:
         raise UsageError("--budget-rule quantile: not with --against (two engines' budgets add up by the max rule)")
     quantile = BUDGET_QUANTILE if args.budget_quantile is None else args.budget_quantile
     if not 0.5 <= quantile < 1:
@@ -341,7 +349,8 @@ def _oracle(plan: _Plan, args):
     from .runner import Oracle
 
     return Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm, memory_limit=plan.oracle_memory,
-                  budget_rule=args.budget_rule, budget_quantile=plan.budget_quantile)
+                  budget_rule=args.budget_rules[0], budget_quantile=plan.budget_quantile,
+                  also_rules=args.budget_rules[1:])
 
 
 def _run_one(plan: _Plan, scenario, args, oracle, progress=None) -> tuple[dict, object]:

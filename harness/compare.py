@@ -73,6 +73,7 @@ top-1 agreement; first position whose top-1 token differs.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -353,6 +354,25 @@ def kl_divergence(base: _Rows, cand: _Rows, row: int) -> float:
     return max(kl + (p_rest * math.log(p_rest / q_rest) if p_rest > 0 else 0.0), 0.0)
 
 
+def results_digest(results: Sequence[RequestResult]) -> str:
+    """A hash of every number of `results`, in order: each request's id, tokens and every tensor field's dtype,
+    shape and bytes. Two runs of a baseline (the oracle resident and layer-streamed, say) with one digest gave the
+    same bits; report.json carries it per scenario as baseline_digest."""
+    h = hashlib.sha256()
+    for r in results:
+        h.update(repr((r.request_id, list(r.output_ids))).encode())
+        for name in ("prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs", "output_logprobs", "output_top_ids",
+                     "output_top_logprobs", "prompt_dists", "output_dists", "output_near_ids", "output_near_logprobs"):
+            t = getattr(r, name)
+            if t is None:
+                h.update(f"{name}:none".encode())
+                continue
+            t = t.detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
 def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequence[RequestResult],
                  candidate: Sequence[RequestResult], budget: Budget,
                  rerun: Callable[[list[Request]], list[RequestResult]] | None = None,
@@ -387,7 +407,8 @@ def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequen
         comparisons.append(comparison)
         failures += found
     meta = {"k": budget.k, "atol": budget.atol, "reference_error": budget.reference_error, "budget": budget.value,
-            "budget_rule": budget.rule}
+            "budget_rule": budget.rule, "baseline_digest": results_digest([base[r.request_id] for r in requests
+                                                                             if r.request_id in base])}
     if budget.positions is not None:
         meta["budget_floor"] = budget.k * budget.floor + budget.atol
         ratios = [d / budget.at(c.request_id, p) for c in comparisons for p, d in zip(c.positions, c.deltas)]

@@ -86,11 +86,13 @@ class Oracle:
 
     def __init__(self, checkpoint: str | Path, *, device: str | torch.device = "cpu", gated_norm: str = "grouped",
                  memory_limit: int | None = None, budget_rule: str = "max",
-                 budget_quantile: float = BUDGET_QUANTILE):
+                 budget_quantile: float = BUDGET_QUANTILE, also_rules: Sequence[str] = ()):
         """memory_limit (bytes; --oracle-memory): a reference model whose weights in its dtype, with ROOM_FACTOR
         for its activations, exceed it runs layer-streamed (reference/model.py), else resident; None: resident.
         budget_rule, budget_quantile (--budget-rule, --budget-quantile): how budget() sets each position's
-        budget from the reference's own errors (harness/compare.py, BUDGET_RULES)."""
+        budget from the reference's own errors (harness/compare.py, BUDGET_RULES). also_rules: other rules each
+        scenario is judged by too, on the same candidate run (the verdict stays budget_rule's; report.meta["rules"]
+        holds every rule's: judged_by_rules), so that one run measures several rules (mutants.scale)."""
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
         self.gated_norm = gated_norm
@@ -103,6 +105,10 @@ class Oracle:
                 or not 0.5 <= budget_quantile < 1:
             raise ValueError(f"budget_quantile: expected a number in [0.5, 1), got {budget_quantile!r}")
         self.budget_rule, self.budget_quantile = budget_rule, float(budget_quantile)
+        unknown = [r for r in also_rules if r not in BUDGET_RULES]
+        if unknown:
+            raise ValueError(f"also_rules: expected rules among {list(BUDGET_RULES)}, got {unknown}")
+        self.also_rules = tuple(r for r in dict.fromkeys(also_rules) if r != budget_rule)
         self._engines: dict[tuple, ReferenceEngine] = {}
         self._results: dict[tuple, RequestResult] = {}
         self._errors: dict[tuple, list[float]] = {}
@@ -206,7 +212,7 @@ class Oracle:
 
     def budget(self, requests: Sequence[Request], dtype: torch.dtype, *, k: float = DEFAULT_K,
                atol: float | None = None, ssm_state_dtype: str | None = None,
-               calibration: Sequence[Request] = ()) -> Budget:
+               calibration: Sequence[Request] = (), rule: str | None = None) -> Budget:
         """The budget of a candidate in `dtype` on these requests: k · E + atol, with E the largest error of the
         reference itself in that dtype (and SSM state dtype, where the reference can store its state so, else the
         run dtype alone) over every position of the requests, teacher-forced on the oracle's continuations; under
@@ -214,7 +220,8 @@ class Oracle:
         budget_quantile of the errors over every position (harness/compare.py). When
         the requests hold fewer than MIN_BUDGET_POSITIONS positions, E is taken over the `calibration` requests
         too (calibration_requests: the model's batching workload): the maximum of a few dozen positions is too
-        noisy a sample of the dtype's error level (harness/compare.py)."""
+        noisy a sample of the dtype's error level (harness/compare.py). rule: another rule than budget_rule."""
+        rule = self.budget_rule if rule is None else rule
         atol = ATOL[dtype] if atol is None else atol
         if ssm_state_dtype is not None and parse_dtype(ssm_state_dtype).itemsize >= dtype.itemsize:
             ssm_state_dtype = None            # the budget is calibrated on the run dtype's error alone
@@ -225,7 +232,7 @@ class Oracle:
         rows = self._error_rows(requests, dtype, ssm_state_dtype)
         maxima = [max(r) if r else float("nan") for r in rows]
         largest = max((m for m in maxima if not math.isnan(m)), default=0.0)
-        if self.budget_rule == "max":
+        if rule == "max":
             return Budget(k, atol, largest)
         errors = sorted(e for r in rows for e in r if not math.isnan(e))
         floor = errors[min(len(errors) - 1, math.ceil(self.budget_quantile * len(errors)) - 1)] if errors else 0.0
@@ -388,9 +395,10 @@ def _judged(candidate: Engine, scenario: Scenario, requests: list[Request], stag
         baseline, budget, noise = _oracle_side(requests, **judging)
         _enter(judging["progress"], stage, candidate)
         results = oracle.run_beside(candidate, requests, dtype)
-        report = compare_runs(scenario=scenario.id, requests=requests, baseline=baseline, candidate=results,
-                              budget=budget, rerun=lambda forced: oracle.run_beside(candidate, forced, dtype),
-                              noise=noise)
+        rerun = _once(lambda forced: oracle.run_beside(candidate, forced, dtype))
+        judge = lambda budget: compare_runs(scenario=scenario.id, requests=requests, baseline=baseline,  # noqa: E731
+                                            candidate=results, budget=budget, rerun=rerun, noise=noise)
+        report = judged_by_rules(judge, budget, requests, **judging)
     if candidate.provenance():
         report.meta["engine_provenance"] = candidate.provenance()
     hint = getattr(candidate, "oracle_hint", None)        # an engine known to compute another model here
@@ -428,10 +436,51 @@ def _judge_sampled(candidate: Engine, scenario: Scenario, requests: list[Request
     by_id = {r.request_id: r for r in ran}
     forced = [r.teacher_forced(by_id[r.request_id].output_ids) if r.request_id in by_id else r for r in requests]
     baseline, budget, noise = _oracle_side(forced, as_run=requests, **judging)
-    report = compare_runs(scenario=scenario.id, requests=forced, baseline=baseline,
-                          candidate=[as_teacher_forced(r) for r in ran], budget=budget, noise=noise)
+    candidate_rows = [as_teacher_forced(r) for r in ran]
+    judge = lambda budget: compare_runs(scenario=scenario.id, requests=forced, baseline=baseline,     # noqa: E731
+                                        candidate=candidate_rows, budget=budget, noise=noise)
+    report = judged_by_rules(judge, budget, forced, **judging)
     report.meta["sampled"] = {r.request_id: {"temperature": r.temperature, "seed": r.seed, "prompt_tokens":
                                              len(r.prompt), "drawn": r.max_new_tokens} for r in requests}
+    return report
+
+
+def _once(rerun: Callable[[list[Request]], list[RequestResult]]) -> Callable[[list[Request]], list[RequestResult]]:
+    """rerun, memoised on the requests' ids and tokens: a second judgment of one candidate run reruns nothing."""
+    memo: dict[tuple, list[RequestResult]] = {}
+
+    def call(forced: list[Request]) -> list[RequestResult]:
+        key = tuple((r.request_id, tuple(r.prompt), r.max_new_tokens) for r in forced)
+        if key not in memo:
+            memo[key] = rerun(forced)
+        return memo[key]
+
+    return call
+
+
+def judged_by_rules(judge: Callable[[Budget], Report], budget: Budget, requests: Sequence[Request], *,
+                    oracle: Oracle, dtype: torch.dtype, options: EngineOptions, k: float, atol: float | None,
+                    source: PromptSource, top_k: int, **_) -> Report:
+    """judge(budget): the report by the oracle's budget_rule. With oracle.also_rules, the same candidate results
+    are judged by each of those rules too, and report.meta["rules"] holds, per rule (the budget_rule's included),
+    its verdict: passed, the checks that failed, the first failure, the budget and the largest |Δ| over its
+    position's budget."""
+    report = judge(budget)
+    if not oracle.also_rules:
+        return report
+    rules = {oracle.budget_rule: report}
+    for rule in oracle.also_rules:
+        other = oracle.budget(requests, dtype, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype,
+                              calibration=calibration_requests(oracle, source, top_k=top_k), rule=rule)
+        rules[rule] = judge(other)
+    report.meta["rules"] = {rule: {"passed": r.passed, "checks": sorted({f.what for f in r.failures}),
+                                   "first_failure": r.failures[0].message()[:300] if r.failures else "",
+                                   "budget": r.meta["budget"],
+                                   **({"budget_floor": r.meta["budget_floor"]} if "budget_floor" in r.meta else {}),
+                                   "max_delta_over_position_budget": r.meta.get(
+                                       "max_delta_over_position_budget", r.max_delta / r.meta["budget"]
+                                       if r.meta["budget"] else math.inf)}
+                            for rule, r in rules.items()}
     return report
 
 

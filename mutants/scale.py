@@ -177,8 +177,10 @@ def worker(args) -> int:
     unknown = [s for s in scenarios if s not in by_id]
     if unknown:
         raise SystemExit(f"unknown scenarios {unknown}; this model has {', '.join(by_id)}")
+    rules = parse_rules(args.budget_rule)
     oracle = (cache_only_oracle(Oracle) if args.cache_only else Oracle)(
-        args.checkpoint, device=args.device, budget_rule=args.budget_rule, budget_quantile=args.budget_quantile)
+        args.checkpoint, device=args.device, budget_rule=rules[0], budget_quantile=args.budget_quantile,
+        also_rules=rules[1:])
     if args.cache and Path(args.cache).is_file():
         oracle.load_cache(args.cache)
     results = Path(args.results)
@@ -189,8 +191,7 @@ def worker(args) -> int:
             source = PromptSource(cfg.vocab_size, seed=seed)
             for dtype in args.dtypes.split(","):
                 for sid in scenarios:
-                    if args.stop_at_kill and any(done.get((seed, s, dtype), {}).get("verdict") in ("FAIL", "ERROR")
-                                                 for s in scenarios):
+                    if args.stop_at_kill and any(_killed(done.get((seed, s, dtype), {})) for s in scenarios):
                         break                           # killed in this dtype: the rest would add nothing
                     if (seed, sid, dtype) in done:
                         continue
@@ -226,6 +227,15 @@ def worker(args) -> int:
                                    top1=report.top1_agreement, mean_kl=report.mean_kl,
                                    excess={k: v["ratio"] for k, v in excess.items() if v["judged"]},
                                    digest=_digest(report))
+                        if "budget_floor" in report.meta:
+                            row["budget_floor"] = report.meta["budget_floor"]
+                        if "rules" in report.meta:            # every rule's verdict on this one run (also_rules)
+                            row["rules"] = {rule: dict(
+                                verdict="PASS" if v["passed"] else "FAIL", checks=v["checks"],
+                                first_failure=v["first_failure"], budget=v["budget"],
+                                delta_over_budget=v["max_delta_over_position_budget"],
+                                **({"budget_floor": v["budget_floor"]} if "budget_floor" in v else {}))
+                                for rule, v in report.meta["rules"].items()}
                     except ScenarioSkipped as skip:
                         row.update(verdict="SKIP", reason=str(skip))
                     except OracleNotCached as err:            # not recorded: the driver starts an oracle process
@@ -256,6 +266,38 @@ def worker(args) -> int:
         if status == 0:
             out.write(json.dumps(DONE) + "\n")
     return status
+
+
+def parse_rules(text: str) -> list[str]:
+    """--budget-rule: one rule, or several comma-separated, each run judged by all of them (the first is the rows'
+    own verdict; row["rules"] holds each)."""
+    from harness.compare import BUDGET_RULES
+
+    rules = list(dict.fromkeys(r.strip() for r in text.split(",") if r.strip()))
+    unknown = [r for r in rules if r not in BUDGET_RULES]
+    if not rules or unknown:
+        raise SystemExit(f"--budget-rule {text!r}: expected one or more of {', '.join(BUDGET_RULES)}, "
+                         "comma-separated")
+    return rules
+
+
+def _killed(row: dict) -> bool:
+    """A run that killed its engine: it raised, or it failed by every rule it was judged by."""
+    if row.get("verdict") == "ERROR":
+        return True
+    if "rules" in row:
+        return all(v["verdict"] == "FAIL" for v in row["rules"].values())
+    return row.get("verdict") == "FAIL"
+
+
+def as_rule(row: dict, rule: str) -> dict:
+    """A row as judged by `rule`: its verdict, checks, first failure, budget and |Δ| over budget by that rule (a
+    row judged by one rule, or one that raised or was skipped, as it is)."""
+    judged = row.get("rules", {}).get(rule)
+    if judged is None:
+        return row
+    row = {k: v for k, v in row.items() if k != "budget_floor" or rule == "quantile"}
+    return {**row, **judged}
 
 
 def _over_budget(row: dict) -> float:
@@ -318,8 +360,7 @@ def _complete(results: Path, *, seeds=(), scenarios=(), dtypes=(), stop_at_kill:
     rows = {(r["seed"], r["scenario"], r["dtype"]): r for r in lines if "scenario" in r}
     for seed in seeds:
         for dtype in dtypes:
-            if stop_at_kill and any(r["verdict"] in ("FAIL", "ERROR") for (s, _, d), r in rows.items()
-                                    if (s, d) == (seed, dtype)):
+            if stop_at_kill and any(_killed(r) for (s, _, d), r in rows.items() if (s, d) == (seed, dtype)):
                 continue
             if any((seed, sid, dtype) not in rows for sid in scenarios):
                 return False
@@ -406,14 +447,26 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _fmt3(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
 def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtypes: list[str]) -> str:
-    lines = ["## Clean runs (false failures)", "", "| scenario | dtype | runs | failed | max \\|Δ\\|/budget | "
-             "largest excess ratio |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["## Clean runs (false failures)", "",
+             "budget: the largest over the runs of the max rule's k·E + atol, or for the quantile rule of the floor "
+             "k·E_q + atol that every position's budget is at least (a position where the reference errs more gets "
+             "k times its own error); budget / largest |Δ|: that over the largest |Δ| of any run; max |Δ|/budget: "
+             "the largest over runs and positions of a position's |Δ| over its own budget.", "",
+             "| scenario | dtype | runs | failed | largest \\|Δ\\| | budget | budget / largest \\|Δ\\| | "
+             "max \\|Δ\\|/budget | largest excess ratio |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key in sorted({(r["scenario"], r["dtype"]) for r in clean}):
         rows = [r for r in clean if (r["scenario"], r["dtype"]) == key and r["verdict"] != "SKIP"
                 and not r.get("repeat")]
         failed = [r for r in rows if r["verdict"] != "PASS"]
-        lines.append(f"| {key[0]} | {key[1]} | {len(rows)} | {len(failed)} | "
+        largest = max((r["max_delta"] for r in rows if "max_delta" in r), default=None)
+        budget = max((r.get("budget_floor", r["budget"]) for r in rows if "budget" in r), default=None)
+        lines.append(f"| {key[0]} | {key[1]} | {len(rows)} | {len(failed)} | {_fmt3(largest)} | {_fmt3(budget)} | "
+                     f"{_fmt(budget / largest if budget is not None and largest else None)} | "
                      f"{_fmt(max((_over_budget(r) for r in rows if 'max_delta' in r), default=None))} | "
                      f"{_fmt(max((v for r in rows for v in r.get('excess', {}).values()), default=None))} |")
     lines += ["", "## Engine mutants", "", "| mutant | " + " | ".join(dtypes) + " | effect (max \\|Δ\\|/budget; excess "
@@ -520,8 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda")
     from harness.compare import BUDGET_QUANTILE, BUDGET_RULES
-    parser.add_argument("--budget-rule", default="max", choices=BUDGET_RULES,
-                        help="the judge's budget rule (harness/compare.py); keep one --out per rule")
+    parser.add_argument("--budget-rule", default="max",
+                        help=f"the judge's budget rule ({', '.join(BUDGET_RULES)}; harness/compare.py), or several "
+                             "comma-separated: each run judged by every one, a table per rule (the first's table.md, "
+                             "the others' table-RULE.md); keep one --out per choice")
     parser.add_argument("--budget-quantile", type=float, default=BUDGET_QUANTILE,
                         help="the quantile rule's floor (default %(default)s)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
@@ -537,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    parse_rules(args.budget_rule)
     if args.scenarios is None:
         from harness import scale
 
@@ -695,40 +751,53 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
 
 def _report(args, out: Path, judged: list, skipped: dict[str, str], groups: list[tuple[int, int]],
             dtypes: list[str], statuses: list[int]) -> int:
+    """The table, JSON and plot of each budget rule (the first rule's table.md, report.json and power.png, the
+    others' with -RULE before the suffix). Exit status 0 only when every clean run passed by every rule and every
+    run is complete."""
     files = [out / "clean-seed0.jsonl", out / REPEAT] + [out / _clean_file(first, count) for first, count in groups]
-    clean = list({(r["seed"], r.get("repeat", False), r["scenario"], r["dtype"]): r
-                  for f in files for r in _read(f)}.values())
-    seed0 = [r for r in clean if r["seed"] == 0]
+    clean_rows = list({(r["seed"], r.get("repeat", False), r["scenario"], r["dtype"]): r
+                       for f in files for r in _read(f)}.values())
     asked = dict(scenarios=args.scenarios.split(","), dtypes=dtypes)
     seeds = [[0], [0]] + [range(first, first + count) for first, count in groups]
-    summaries, incomplete = [], [str(f.name) for f, s in zip(files, seeds) if not _complete(f, seeds=s, **asked)]
+    incomplete = [str(f.name) for f, s in zip(files, seeds) if not _complete(f, seeds=s, **asked)]
+    mutant_rows = {}
     for m in judged:
         results = out / f"mutant-{m.name}.jsonl"
         if not _complete(results, seeds=[0], stop_at_kill=True, **asked):
             incomplete.append(results.name)
+        mutant_rows[m.name] = _read(results)
+    rules = parse_rules(args.budget_rule)
+    failed_clean = False
+    for i, rule in enumerate(rules):
+        clean = [as_rule(r, rule) for r in clean_rows]
+        seed0 = [r for r in clean if r["seed"] == 0]
         # a mutant whose worker never started is in the table too ("not run"), so that the counts add up
-        summaries.append(summarise(m.name, _read(results), seed0, dtypes, args.scenarios.split(",")))
-    for m in summaries:                 # the noise floor: every clean seed
-        for d in dtypes:
-            noise = [r for r in clean if r["dtype"] == d and r["verdict"] == "PASS"]
-            m[d]["clean_max_delta_over_budget"] = max((_over_budget(r) for r in noise), default=None)
-            m[d]["clean_max_excess_ratio"] = max((v for r in noise for v in r.get("excess", {}).values()),
-                                                 default=None)
-    summaries.sort(key=lambda m: m["name"])
-    text = table(clean, summaries, skipped, dtypes)
-    if incomplete:
-        text += f"\nIncomplete (run again with --resume): {', '.join(sorted(incomplete))}\n"
-    (out / "table.md").write_text(text)
-    plot(summaries, dtypes, out / "power.png")
-    report = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model,
-                  scenarios=args.scenarios.split(","), dtypes=dtypes, clean_seeds=args.clean_seeds,
-                  budget_rule=args.budget_rule,
-                  budget_quantile=args.budget_quantile if args.budget_rule != "max" else None,
-                  clean=clean, mutants=summaries, not_judged=skipped, incomplete=sorted(incomplete))
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    print(text)
-    clean_failed = [r for r in clean if r["verdict"] not in ("PASS", "SKIP")]
-    return 0 if clean and not clean_failed and not incomplete and max(statuses, key=abs) == 0 else 1
+        summaries = [summarise(name, [as_rule(r, rule) for r in rows], seed0, dtypes, args.scenarios.split(","))
+                     for name, rows in mutant_rows.items()]
+        for m in summaries:                 # the noise floor: every clean seed
+            for d in dtypes:
+                noise = [r for r in clean if r["dtype"] == d and r["verdict"] == "PASS"]
+                m[d]["clean_max_delta_over_budget"] = max((_over_budget(r) for r in noise), default=None)
+                m[d]["clean_max_excess_ratio"] = max((v for r in noise for v in r.get("excess", {}).values()),
+                                                     default=None)
+        summaries.sort(key=lambda m: m["name"])
+        text = (f"Budget rule: {rule}" + (f" (quantile {args.budget_quantile:g})" if rule == "quantile" else "")
+                + (f"; the same runs judged by {', '.join(r for r in rules if r != rule)} too" if len(rules) > 1
+                   else "") + "\n\n" + table(clean, summaries, skipped, dtypes))
+        if incomplete:
+            text += f"\nIncomplete (run again with --resume): {', '.join(sorted(incomplete))}\n"
+        suffix = "" if i == 0 else f"-{rule}"
+        (out / f"table{suffix}.md").write_text(text)
+        plot(summaries, dtypes, out / f"power{suffix}.png")
+        report = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), model=args.model,
+                      scenarios=args.scenarios.split(","), dtypes=dtypes, clean_seeds=args.clean_seeds,
+                      budget_rule=rule, budget_rules=rules,
+                      budget_quantile=args.budget_quantile if rule != "max" else None,
+                      clean=clean, mutants=summaries, not_judged=skipped, incomplete=sorted(incomplete))
+        (out / f"report{suffix}.json").write_text(json.dumps(report, indent=1))
+        print(text)
+        failed_clean |= any(r["verdict"] not in ("PASS", "SKIP") for r in clean)
+    return 0 if clean_rows and not failed_clean and not incomplete and max(statuses, key=abs) == 0 else 1
 
 
 if __name__ == "__main__":

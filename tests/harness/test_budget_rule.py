@@ -20,7 +20,7 @@ import torch
 from harness.adapters.reference import ReferenceEngine
 from harness.cli import main as cli_main
 from harness.compare import DEFAULT_K, Budget, compare_runs
-from harness.runner import Oracle, calibration_requests
+from harness.runner import Oracle, calibration_requests, check_scenario
 from harness.scenarios import build_scenarios
 
 from .conftest import G1_MODEL
@@ -123,6 +123,9 @@ def test_planted_errors_fail_exactly_where_they_exceed_their_positions_budget(si
     (["--budget-rule", "quantile", "--budget-quantile", "1"], "--budget-quantile 1: expected a number in [0.5, 1)"),
     (["--budget-rule", "quantile", "--budget-quantile", "0.2"], "expected a number in [0.5, 1)"),
     (["--budget-rule", "quantile", "--against", "reference"], "--budget-rule quantile: not with --against"),
+    (["--budget-rule", "max,median"], "--budget-rule max,median: expected max or quantile, or both"),
+    (["--budget-rule", "max,max"], "--budget-rule max,max: expected max or quantile, or both"),
+    (["--budget-rule", "max", "--budget-quantile", "0.9"], "expected --budget-rule quantile with it"),
 ])
 def test_the_cli_refuses_a_quantile_it_cannot_use(args, message, g1_checkpoint, tmp_path, capsys):
     code = cli_main(["compare", "--engine", "reference", "--checkpoint", str(g1_checkpoint), "--scenarios",
@@ -139,3 +142,66 @@ def test_the_report_says_which_rule_judged(g1_checkpoint, tmp_path, capsys):
     entry = json.loads((tmp_path / "report.json").read_text())["scenarios"][0]
     assert entry["budget_rule"] == "quantile" and 0 < entry["budget_floor"] <= entry["budget"]
     assert f"{entry['budget_floor']:.3g}..{entry['budget']:.3g}" in capsys.readouterr().out
+
+
+class _Planted(ReferenceEngine):
+    """The fp64 reference whatever dtype it is asked for, with PLANT[request id, position] added to those logprobs."""
+
+    name = "planted"
+    PLANT: dict[tuple[str, int], float] = {}
+
+    def __init__(self, checkpoint, *, dtype, **kwargs):
+        super().__init__(checkpoint, dtype=torch.float64, **kwargs)
+
+    def run(self, requests):
+        results = super().run(requests)
+        for res in results:
+            for (rid, position), delta in self.PLANT.items():
+                if rid == res.request_id:
+                    res.prompt_logprobs[position - 1] += delta
+        return results
+
+
+@pytest.mark.parametrize("primary", ["max", "quantile"])
+def test_one_run_judged_by_both_rules(primary, g1_checkpoint, g1_prompts, monkeypatch):
+    """also_rules: the same candidate results judged by the other rule too (mutants.scale measures both rules in one
+    run so). An error planted at a prompt position between its quantile budget and the max budget passes by the max
+    rule and fails by the quantile rule, whichever is the report's own; the report's verdict is its rule's."""
+    other = {"max": "quantile", "quantile": "max"}[primary]
+    oracle = Oracle(g1_checkpoint, budget_rule=primary, budget_quantile=QUANTILE, also_rules=(other, primary))
+    assert oracle.also_rules == (other,)
+    scenario = next(s for s in build_scenarios(G1_MODEL) if s.id == "batching-alone")
+    try:
+        requests = scenario.requests(g1_prompts)
+        forced = [r.teacher_forced(b.output_ids) for r, b in zip(requests, oracle.results(requests))]
+        quantile = oracle.budget(forced, torch.bfloat16, calibration=calibration_requests(oracle, g1_prompts),
+                                 rule="quantile")
+        request = next(r for r in requests if len(r.prompt) > 3)
+        rid, row = request.request_id, quantile.positions[request.request_id]
+        position = min(range(1, len(request.prompt)), key=lambda p: row[p - 1])     # a prompt position at the floor
+        low, high = quantile.at(rid, position), quantile.value
+        assert low < high / 1.5
+        monkeypatch.setattr(_Planted, "PLANT", {(rid, position): (low * high) ** 0.5})
+        report = check_scenario(_Planted, scenario, oracle=oracle, source=g1_prompts, dtype=torch.bfloat16)
+    finally:
+        oracle.close()
+    rules = report.meta["rules"]
+    assert set(rules) == {"max", "quantile"}
+    assert rules["max"]["passed"] and rules["max"]["checks"] == [] and rules["max"]["budget"] == high
+    assert not rules["quantile"]["passed"] and rules["quantile"]["checks"] == ["logprob"]
+    assert f"position {position}" in rules["quantile"]["first_failure"]
+    assert 1 < rules["quantile"]["max_delta_over_position_budget"] < high / low
+    assert report.passed == rules[primary]["passed"] and report.meta["budget_rule"] == primary
+    with pytest.raises(ValueError, match="also_rules"):
+        Oracle(g1_checkpoint, also_rules=("median",))
+
+
+def test_the_report_holds_both_rules_verdicts_when_asked(g1_checkpoint, tmp_path, capsys):
+    code = cli_main(["compare", "--engine", "reference", "--dtype", "bfloat16", "--checkpoint", str(g1_checkpoint),
+                     "--scenarios", "batching-alone", "--budget-rule", "max,quantile", "--budget-quantile",
+                     str(QUANTILE), "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().out
+    entry = json.loads((tmp_path / "report.json").read_text())["scenarios"][0]
+    assert entry["budget_rule"] == "max" and set(entry["rules"]) == {"max", "quantile"}
+    assert entry["rules"]["max"]["budget"] == entry["budget"] and entry["rules"]["max"]["passed"]
+    assert 0 < entry["rules"]["quantile"]["budget_floor"] < entry["budget"]

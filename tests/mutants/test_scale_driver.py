@@ -418,3 +418,58 @@ def test_the_default_scenarios_exist_at_every_chunk_size(checkpoint):
     wanted = default_scenarios(raw["mamba_chunk_size"]).split(",")
     assert len(wanted) == 8 and set(wanted) <= {s.id for s in build_scenarios(ModelConfig.from_dict(raw))}
     assert DEFAULT_SCENARIOS == default_scenarios(256)
+
+
+def _ruled(row, **rules):
+    """A row judged by several rules: rules[name] = (verdict, checks, delta over budget, budget, floor)."""
+    return dict(row, rules={name: dict(verdict=v, checks=list(c), first_failure="f" if v == "FAIL" else "",
+                                       delta_over_budget=d, budget=b, **({"budget_floor": f} if f else {}))
+                            for name, (v, c, d, b, f) in rules.items()})
+
+
+def test_runs_judged_by_two_rules_give_a_table_per_rule_and_stop_only_when_killed_by_both(tmp_path):
+    import json
+
+    from mutants.scale import DONE, _complete, _killed, as_rule, main, parse_rules
+
+    assert parse_rules("quantile, max,quantile") == ["quantile", "max"]
+    for bad in ("", "median", "max,mean"):
+        with pytest.raises(SystemExit, match="--budget-rule"):
+            parse_rules(bad)
+    both = _ruled(_row("s", "bfloat16", "PASS", "ccc"), max=("PASS", (), 0.4, 8.0, None),
+                  quantile=("FAIL", ("logprob",), 1.6, 8.0, 2.0))
+    assert not _killed(both) and _killed(dict(both, verdict="ERROR"))
+    assert as_rule(both, "quantile")["verdict"] == "FAIL" and as_rule(both, "max")["verdict"] == "PASS"
+    assert as_rule(both, "quantile")["budget_floor"] == 2.0 and "budget_floor" not in as_rule(both, "max")
+
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows + [DONE]))
+
+    clean = lambda seed, delta: _ruled(_row("s", "bfloat16", "PASS", f"c{seed}", seed=seed, max_delta=delta),  # noqa
+                                       max=("PASS", (), delta / 8, 8.0, None), quantile=("PASS", (), 0.5, 8.0, 1.0))
+    write("clean-seed0.jsonl", [clean(0, 0.5)])
+    write("clean-seed0-repeat.jsonl", [dict(clean(0, 0.5), repeat=True)])
+    write("clean-seed1.jsonl", [clean(1, 0.8)])
+    # killed by the quantile rule in s only: runs t too (stop at kill waits for both rules), survives t by the max
+    write("mutant-ssd-D-dropped.jsonl", [both, _ruled(_row("t", "bfloat16", "PASS", "ddd"),
+                                                      max=("PASS", (), 0.3, 8.0, None),
+                                                      quantile=("PASS", (), 0.9, 8.0, 2.0))])
+    asked = dict(seeds=[0], scenarios=["s", "t"], dtypes=["bfloat16"], stop_at_kill=True)
+    (tmp_path / "cut.jsonl").write_text(json.dumps(both) + "\n" + json.dumps(DONE) + "\n")
+    assert not _complete(tmp_path / "cut.jsonl", **asked), "a kill by one rule of two ended the mutant's runs"
+    clean_t = lambda seed: _ruled(_row("t", "bfloat16", "PASS", f"t{seed}", seed=seed),  # noqa: E731
+                                  max=("PASS", (), 0.1, 8.0, None), quantile=("PASS", (), 0.2, 8.0, 1.0))
+    write("clean-seed0.jsonl", [clean(0, 0.5), clean_t(0)])
+    write("clean-seed0-repeat.jsonl", [dict(clean(0, 0.5), repeat=True), dict(clean_t(0), repeat=True)])
+    write("clean-seed1.jsonl", [clean(1, 0.8), clean_t(1)])
+    status = main(["--report-only", "--out", str(tmp_path), "--dtypes", "bfloat16", "--scenarios", "s,t",
+                   "--clean-seeds", "2", "--only", "ssd-D-dropped", "--budget-rule", "quantile,max"])
+    assert status == 0
+    quantile, maxed = (tmp_path / "table.md").read_text(), (tmp_path / "table-max.md").read_text()
+    assert quantile.startswith("Budget rule: quantile (quantile 0.99); the same runs judged by max too")
+    assert "| ssd-D-dropped | killed (s:logprob)" in quantile and "| ssd-D-dropped | survived" in maxed
+    # the clean table: largest |Δ| over seeds 0.8; budget the quantile floor 1 (the max rule's 8); their ratio
+    assert "| s | bfloat16 | 2 | 0 | 0.8 | 1 | 1.25 | 0.50 |" in quantile
+    assert "| s | bfloat16 | 2 | 0 | 0.8 | 8 | 10.00 | 0.10 |" in maxed
+    assert json.loads((tmp_path / "report-max.json").read_text())["budget_rule"] == "max"
+    assert json.loads((tmp_path / "report.json").read_text())["budget_rules"] == ["quantile", "max"]

@@ -4,6 +4,7 @@ resident one, one layer's weights at a time, on the bundled tiny models and on z
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from harness import zoo
 from harness.cli import UsageError, main, parse_size
+from harness.compare import results_digest
 from harness.engine import Request
 from harness.runner import Oracle
 from reference.checkpoint import CheckpointError, LazyWeights, expected_shapes, key_names
@@ -138,11 +140,37 @@ def test_a_bad_size_is_a_usage_error(text):
 
 
 def test_compare_reports_the_streamed_oracle(tmp_path, capsys):
-    code = main(["compare", "--engine", "reference", "--checkpoint", str(TINY), "--scenarios", "batching-alone",
-                 "--oracle-memory", "1MiB", "--out", str(tmp_path)])
-    captured = capsys.readouterr()
-    assert code == 0, captured.out
-    assert "oracle: float64 layer-streamed under --oracle-memory" in captured.err
-    oracle = json.loads((tmp_path / "report.json").read_text())["oracle"]
+    """Streamed under a cap, resident without: both reports say which ran, and every scenario's baseline_digest (the
+    oracle's numbers) and budget are the same: what a user compares on a GPU (docs/scale.md)."""
+    documents = {}
+    for name, cap in (("streamed", ["--oracle-memory", "1MiB"]), ("resident", [])):
+        out = tmp_path / name
+        code = main(["compare", "--engine", "reference", "--dtype", "float32", "--checkpoint", str(TINY),
+                     "--scenarios", "batching-alone,chunked_prefill-budget17-Q16", *cap, "--out", str(out)])
+        captured = capsys.readouterr()
+        assert code == 0, captured.out
+        assert ("oracle: float64 layer-streamed under --oracle-memory" in captured.err) == (name == "streamed")
+        documents[name] = json.loads((out / "report.json").read_text())
+    oracle = documents["streamed"]["oracle"]
     assert oracle["memory_limit_bytes"] == 1 << 20
     assert {m["weights"] for m in oracle["models"]} == {"streamed"}
+    assert {m["weights"] for m in documents["resident"]["oracle"]["models"]} == {"resident"}
+    numbers = {name: [(s["scenario"], s["baseline_digest"], s["budget"], s["reference_error"])
+                      for s in doc["scenarios"]] for name, doc in documents.items()}
+    assert len(numbers["streamed"]) == 2 and numbers["streamed"] == numbers["resident"]
+
+
+def test_the_baseline_digest_sees_one_bit():
+    cfg = ModelConfig.from_json(TINY / "config.json")
+    oracle = Oracle(TINY)
+    try:
+        results = oracle.results(_requests(cfg))
+    finally:
+        oracle.close()
+    digest = results_digest(results)
+    assert results_digest([replace(r) for r in results]) == digest
+    nudged = results[2].prompt_logprobs.clone()
+    nudged.view(torch.int64)[7] ^= 1                                  # the last bit of one logprob
+    assert results_digest([*results[:2], replace(results[2], prompt_logprobs=nudged)]) != digest
+    assert results_digest([*results[:2], replace(results[2], output_ids=[*results[2].output_ids[:-1], 0])]) != digest
+    assert results_digest(results[::-1]) != digest
