@@ -24,10 +24,12 @@ if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("BAMBA_BOUNDS_CH
     from tests.interpreter_bounds import install as _install_bounds_check
     _install_bounds_check()
 
-# pytest-xdist already fills the cores with one worker each: one torch thread per worker, or they fight (a module
-# measured 18 s alone took 170 s with 2 threads in each of 2 workers on 2 cores).
+# pytest-xdist workers share the cores: each takes its share of them in torch threads (at least one), never more, or
+# they fight (a module measured 18 s alone took 170 s with 2 threads in each of 2 workers on 2 cores). On CI's 2 cores
+# that is one thread a worker; make test-gpu's 8 workers on a 16-core GPU machine get 2 each for their CPU oracles.
 # BAMBA_TORCH_THREADS overrides (the mutation runner runs several pytest processes side by side).
-_threads = 1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1))
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0) if os.environ.get("PYTEST_XDIST_WORKER") else 0
+_threads = max(1, (os.cpu_count() or 1) // _workers) if _workers else max(1, min(2, os.cpu_count() or 1))
 torch.set_num_threads(int(os.environ.get("BAMBA_TORCH_THREADS", _threads)))
 
 # `--engine NAME` and the (engine, scenario) parametrization of harness tests (harness/pytest_plugin.py).

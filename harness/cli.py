@@ -97,9 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--device", default="cpu", help="device of the candidate and the oracle (cpu, cuda[:N])")
     compare.add_argument("--out", default="out", help="directory for report.json and delta_by_position.png")
     compare.add_argument("--prompts", default=None,
-                         help="prompts .jsonl (default: fixtures/prompts.jsonl where its ids fit the model's "
-                              "vocabulary, else seeded random ids)")
-    compare.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+                         help="prompts .jsonl, or `random` for seeded random ids (default: fixtures/prompts.jsonl "
+                              "where its ids fit the model's vocabulary, else random)")
+    compare.add_argument("--seed", type=int, default=None,
+                         help="seed of the random prompts (default 0; refused with prompts from a file, whose "
+                              "workload it would not change)")
     compare.add_argument("--k", type=float, default=None, help="budget multiplier (default 2)")
     compare.add_argument("--atol", type=float, default=None, help="budget floor (default: per dtype, compare.py)")
     compare.add_argument("--budget-rule", default="max", metavar="RULE[,RULE]",
@@ -237,7 +239,9 @@ def _prompt_source(args, cfg):
     """The prompt source and a note to print once the input is known to be good (or UsageError in one line)."""
     from .scenarios import PromptSource
 
-    source, note = PromptSource(cfg.vocab_size, seed=args.seed), ""
+    source, note = PromptSource(cfg.vocab_size, seed=args.seed or 0), ""
+    if args.prompts == "random":
+        return source, note
     if args.prompts:
         try:
             source = PromptSource.from_jsonl(args.prompts, cfg.vocab_size)
@@ -252,6 +256,9 @@ def _prompt_source(args, cfg):
             source = PromptSource.from_jsonl(DEFAULT_PROMPTS, cfg.vocab_size)
         except ValueError as err:      # the bundled prompts belong to the bundled model's tokenizer
             note = f"{err}; using random prompts"
+    if source.prompts and args.seed is not None:
+        raise UsageError(f"--seed {args.seed}: seeds random prompts only, and these come from "
+                         f"{args.prompts or DEFAULT_PROMPTS} (add --prompts random for seeded random ones)")
     return source, note
 
 

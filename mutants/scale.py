@@ -3,6 +3,7 @@ false-failure rate on the same workload (`make mutants-scale`, on a CUDA machine
 
     python -m mutants.scale [--model bamba9b-2layer] [--dtypes bfloat16,float32] [--scenarios ID,...]
                             [--clean-seeds 20] [--clean-procs 1] [--only NAME,...] [--jobs 4] [--out DIR]
+                            [--budget-rule max|quantile|quantile,max] [--budget-quantile 0.99]
                             [--resume] [--report-only]
 
 1. The model (harness/scale.py) is written to --model-dir unless it is there.
@@ -30,8 +31,10 @@ Outcomes per dtype: killed (a scenario FAILED or the engine raised: which, and b
 budget), "token", "excess" (the noise-floor test), "shape", "error"), survived (with its largest max |Δ| / budget and
 largest excess ratio beside the clean runs' largest, the noise floor). A run that ran out of GPU memory is neither:
 it is not recorded, and runs again with --resume.
-Writes report.json, table.md and power.png to --out; exit status 0 only if every clean run passed and every run is
-complete. Each results file keeps its rows as they finish, so a measurement longer than one GPU call is finished
+Writes report.json, table.md and power.png to --out; with several --budget-rule (comma-separated) every run is
+judged by each, a mutant's scenarios stop only once every rule killed it, and the rules after the first get
+report-RULE.json, table-RULE.md and power-RULE.png. Exit status 0 only if every clean run passed by every rule and
+every run is complete. Each results file keeps its rows as they finish, so a measurement longer than one GPU call is finished
 with --resume (--out carried from call to call); --report-only writes the table from what --out holds.
 The worker mode (--worker) is what runs inside each tree.
 """

@@ -347,6 +347,23 @@ def test_cli_exits_2_on_a_malformed_prompts_file_before_writing_anything(tmp_pat
     assert not fresh.exists()                                                # --out is not even created
 
 
+def test_a_seed_that_would_change_nothing_is_refused(tmp_path, capsys):
+    """The bundled model's prompts come from fixtures/prompts.jsonl: --seed would not change them, so it is an error
+    (not a silently repeated workload); with --prompts random the seed draws the ids."""
+    err = _usage_error(["--checkpoint", str(DEFAULT_CHECKPOINT), "--seed", "3", "--out", str(tmp_path / "a")], capsys)
+    assert err.startswith("bamba-harness: error: --seed 3: seeds random prompts only, and these come from ")
+    assert err.endswith("prompts.jsonl (add --prompts random for seeded random ones)")
+    reports = []
+    for seed in ("3", "3", "4"):
+        out = tmp_path / f"random-{len(reports)}"
+        assert main(["compare", "--engine", "reference", "--scenarios", "batching-alone", "--checkpoint",
+                     str(DEFAULT_CHECKPOINT), "--prompts", "random", "--seed", seed, "--out", str(out)]) == 0
+        document = json.loads((out / "report.json").read_text())
+        assert document["prompts"] == "random"
+        reports.append(document["scenarios"][0]["baseline_digest"])
+    assert reports[0] == reports[1] != reports[2]                   # the seed draws the workload
+
+
 def test_cli_names_an_unreadable_prompts_file(tmp_path, capsys):
     missing = tmp_path / "nope.jsonl"
     err = _usage_error(["--checkpoint", str(DEFAULT_CHECKPOINT), "--prompts", str(missing), "--out",
