@@ -558,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-cache", help=argparse.SUPPRESS)
     parser.add_argument("--seeds", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--seed-start", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--model", default="bamba9b-2layer", help="a scale model (harness/scale.py)")
+    parser.add_argument("--model", default=None,
+                        help="a scale model (harness/scale.py; default bamba9b-2layer), or with a --model-dir that "
+                             "holds a model, the name the report gives it (default: the directory's)")
     parser.add_argument("--model-dir", default=None, help="where the model is (written there if absent); "
                                                           "default: a directory under --out")
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -596,11 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
     parse_rules(args.budget_rule)
+    raw = model_config(args)
     if args.scenarios is None:
-        from harness import scale
-
-        config = Path(args.model_dir or "") / "config.json"
-        raw = json.loads(config.read_text()) if args.model_dir and config.is_file() else scale.config_dict(args.model)
         args.scenarios = default_scenarios(raw["mamba_chunk_size"])
 
     from .mutant import load_all
@@ -620,6 +619,37 @@ def main(argv: list[str] | None = None) -> int:
     groups = _seed_groups(args.clean_seeds, args.clean_procs)
     statuses = [0] if args.report_only else _measure(args, out, judged, groups)
     return _report(args, out, judged, skipped, groups, dtypes, statuses)
+
+
+# The config fields that tell two models' shapes apart (a --model name against what --model-dir holds).
+SHAPE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "mamba_n_heads", "mamba_d_head",
+                "mamba_d_state", "mamba_chunk_size", "intermediate_size")
+
+
+def model_config(args) -> dict:
+    """The measured model's config, and args.model its name in the report: a --model-dir that holds a model names
+    it (--model, when given, must be a model of that shape, else SystemExit: the report would name another model);
+    else the scale model --model (default bamba9b-2layer), written to --model-dir or under --out."""
+    from harness import scale
+
+    config = Path(args.model_dir) / "config.json" if args.model_dir else None
+    if config is None or not config.is_file():
+        args.model = args.model or "bamba9b-2layer"
+        if args.model not in scale.SCALE:
+            raise SystemExit(f"--model {args.model}: no such scale model (harness/scale.py has "
+                             f"{', '.join(scale.SCALE)}), and no model in --model-dir {args.model_dir}")
+        return scale.config_dict(args.model)
+    raw = json.loads(config.read_text())
+    if args.model is None:
+        args.model = Path(args.model_dir).resolve().name
+    elif args.model in scale.SCALE:
+        named = scale.config_dict(args.model)
+        differ = [f for f in SHAPE_FIELDS if named.get(f) != raw.get(f)]
+        if differ:
+            raise SystemExit(f"--model {args.model} with --model-dir {args.model_dir}: the directory holds another "
+                             "model (" + ", ".join(f"{f} {raw.get(f)} where {args.model} has {named.get(f)}"
+                                                   for f in differ) + ")")
+    return raw
 
 
 def _seed_groups(clean_seeds: int, procs: int) -> list[tuple[int, int]]:

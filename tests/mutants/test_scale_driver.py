@@ -473,3 +473,27 @@ def test_runs_judged_by_two_rules_give_a_table_per_rule_and_stop_only_when_kille
     assert "| s | bfloat16 | 2 | 0 | 0.8 | 8 | 10.00 | 0.10 |" in maxed
     assert json.loads((tmp_path / "report-max.json").read_text())["budget_rule"] == "max"
     assert json.loads((tmp_path / "report.json").read_text())["budget_rules"] == ["quantile", "max"]
+
+
+def test_the_report_names_the_model_measured_and_a_name_of_another_shape_is_refused(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from harness import scale
+    from mutants.scale import model_config
+
+    args = lambda model, model_dir: SimpleNamespace(model=model, model_dir=model_dir)       # noqa: E731
+    plain = args(None, None)
+    assert model_config(plain)["num_hidden_layers"] == 2 and plain.model == "bamba9b-2layer"
+    held = tmp_path / "deep-one"
+    held.mkdir()
+    (held / "config.json").write_text(json.dumps(scale.config_dict("bamba9b-32layer")))
+    named = args(None, str(held))
+    assert model_config(named)["num_hidden_layers"] == 32 and named.model == "deep-one"
+    assert model_config(args("my-label", str(held)))["num_hidden_layers"] == 32          # not a scale name: a label
+    assert model_config(args("bamba9b-32layer", str(held)))["num_hidden_layers"] == 32
+    with pytest.raises(SystemExit, match="--model bamba9b-2layer with --model-dir .*deep-one: the directory holds "
+                                         "another model \\(num_hidden_layers 32 where bamba9b-2layer has 2\\)"):
+        model_config(args("bamba9b-2layer", str(held)))
+    with pytest.raises(SystemExit, match="--model my-label: no such scale model"):
+        model_config(args("my-label", str(tmp_path / "empty")))
