@@ -333,14 +333,12 @@ def _validate(args) -> _Plan:
 
 def _budget_quantile(args) -> float:
     """--budget-quantile, checked against --budget-rule (and --against, which judges by the max rule)."""
-    from .compare import BUDGET_QUANTILE
+    from .compare import BUDGET_QUANTILE, parse_budget_rules
 
-    from .compare import BUDGET_RULES
-
-    rules = [r.strip() for r in args.budget_rule.split(",")]
-    if any(r not in BUDGET_RULES for r in rules) or len(set(rules)) != len(rules):
-        raise UsageError(f"--budget-rule {args.budget_rule}: expected {' or '.join(BUDGET_RULES)}, or both "
-                         "comma-separated")
+    try:
+        rules = parse_budget_rules(args.budget_rule)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     args.budget_rules = rules
     if args.budget_quantile is not None and "quantile" not in rules:
         raise UsageError(f"--budget-quantile {args.budget_quantile:g}: expected --budget-rule quantile with it")

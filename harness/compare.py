@@ -86,6 +86,15 @@ DEFAULT_K = 2.0
 # How a position's budget is set from the reference's own errors (module docstring, "The quantile rule").
 BUDGET_RULES = ("max", "quantile")
 BUDGET_QUANTILE = 0.99
+
+
+def parse_budget_rules(text: str) -> list[str]:
+    """--budget-rule's value (the CLI's and mutants.scale's): one rule or several comma-separated, each once; the
+    first gives the verdict. ValueError naming the value otherwise."""
+    rules = [r.strip() for r in text.split(",")]
+    if not text.strip() or any(r not in BUDGET_RULES for r in rules) or len(set(rules)) != len(rules):
+        raise ValueError(f"--budget-rule {text}: expected {' or '.join(BUDGET_RULES)}, or both comma-separated")
+    return rules
 ATOL: dict[torch.dtype, float] = {
     torch.float64: 1e-10,
     torch.float32: 1e-5,

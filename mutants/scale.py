@@ -274,14 +274,12 @@ def worker(args) -> int:
 def parse_rules(text: str) -> list[str]:
     """--budget-rule: one rule, or several comma-separated, each run judged by all of them (the first is the rows'
     own verdict; row["rules"] holds each)."""
-    from harness.compare import BUDGET_RULES
+    from harness.compare import parse_budget_rules
 
-    rules = list(dict.fromkeys(r.strip() for r in text.split(",") if r.strip()))
-    unknown = [r for r in rules if r not in BUDGET_RULES]
-    if not rules or unknown:
-        raise SystemExit(f"--budget-rule {text!r}: expected one or more of {', '.join(BUDGET_RULES)}, "
-                         "comma-separated")
-    return rules
+    try:
+        return parse_budget_rules(text)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def _killed(row: dict) -> bool:

@@ -98,7 +98,7 @@ class BambaReference:
             self.w: _Resident | _Streamed = _Streamed(weights, dtype, self.device)
         else:
             weights = check_weights(cfg, weights)
-            self.w = _Resident({k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()})
+            self.w = _Resident({k: _converted(v, self.device, dtype) for k, v in weights.items()})
         shapes = expected_shapes(cfg)
         self._layer_keys = [[k for k in shapes if k.startswith(f"model.layers.{i}.")]
                             for i in range(cfg.num_hidden_layers)]
@@ -288,6 +288,15 @@ class BambaReference:
         return tokens, torch.stack(steps) if steps else torch.empty(0, self.cfg.vocab_size)
 
 
+def _converted(weight: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A stored weight on the model's device in the model's dtype: moved as stored, then converted there. One
+    `tensor.to(device=, dtype=)` would convert on the CPU before the copy (torch does so for a host-to-device copy
+    that changes the dtype), writing and copying four times the bytes of a bf16 checkpoint for an fp64 model, once
+    per layer per call when streamed. Resident and streamed weights both come through here, so they hold the same
+    bits."""
+    return weight.to(device=device).to(dtype=dtype)
+
+
 class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
@@ -306,7 +315,7 @@ class _Resident(dict):
 
 class _Streamed:
     """The weights of the scope being computed, read from a LazyWeights and converted as the resident model converts
-    them (`tensor.to(device=, dtype=)`), freed when the scope ends. Asking for a weight outside its scope is a
+    them (`_converted`), freed when the scope ends. Asking for a weight outside its scope is a
     KeyError that says so: the forward pass must name what each part reads."""
 
     def __init__(self, store: LazyWeights, dtype: torch.dtype, device: torch.device) -> None:
@@ -316,7 +325,7 @@ class _Streamed:
 
     @contextlib.contextmanager
     def scope(self, keys):
-        self._held = {k: self.store.load(k).to(device=self.device, dtype=self.dtype) for k in keys}
+        self._held = {k: _converted(self.store.load(k), self.device, self.dtype) for k in keys}
         self.peak_bytes = max(self.peak_bytes, sum(t.numel() * t.element_size() for t in self._held.values()))
         try:
             yield
