@@ -61,7 +61,10 @@ them): per position class, over the positions the class holds,
 with classes all, prompt (teacher-forced prompt positions), decode (generated positions), after-piece (the first
 BOUNDARY_WINDOW positions predicted from a chunked-prefill piece that continues a saved state), after-chunk (the
 first BOUNDARY_WINDOW positions after each multiple of the chunk size Q inside a prefill piece, where the chunked
-scan hands its state on). A class with fewer than MIN_CLASS_POSITIONS positions is reported but not judged. The
+scan hands its state on). A class with fewer than MIN_CLASS_POSITIONS positions is reported but not judged. Each
+class also reports paired_z: the mean of cand − EXCESS_RATIO·ref over its positions, less atol, in standard errors
+of those differences. It is not judged: a fixed ratio failed one correct run in 160 on a trained 32-layer model (a
+class of 33 positions, docs/scale.md), and a limit that knows the class's size and spread is measured with it first. The
 boundaries are those of the scheduler plan of harness/schedule.py (exact for the vendored engine, the closest
 model of others'). Its threshold and false-failure rate are measured on real-width models (docs/scale.md).
 
@@ -159,8 +162,24 @@ def excess_table(comparisons: Sequence["RequestComparison"], noise: NoiseFloor) 
         ref_mean = sum(ref) / n if n else 0.0
         table[name] = {"positions": n, "candidate_mean": cand_mean, "reference_mean": ref_mean,
                        "ratio": cand_mean / ref_mean if ref_mean > 0 else (math.inf if cand_mean > 0 else 0.0),
-                       "limit": noise.ratio * ref_mean + noise.atol, "judged": n >= noise.min_positions}
+                       "limit": noise.ratio * ref_mean + noise.atol, "judged": n >= noise.min_positions,
+                       "paired_z": paired_z(cand, ref, noise.ratio, noise.atol)}
     return table
+
+
+def paired_z(cand: Sequence[float], ref: Sequence[float], ratio: float, atol: float) -> float | None:
+    """How many standard errors the mean of the paired differences d = cand − ratio·ref lies above atol: the excess
+    test's margin measured against the class's own spread (reported beside the ratio, not judged: docs/scale.md).
+    None under two positions; ±inf when every difference is equal (sd 0) and the mean is off atol; 0 at it."""
+    n = len(cand)
+    if n < 2:
+        return None
+    diffs = [c - ratio * r for c, r in zip(cand, ref)]
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    if sd == 0.0:
+        return 0.0 if mean == atol else math.copysign(math.inf, mean - atol)
+    return (mean - atol) / (sd / math.sqrt(n))
 
 
 @dataclass(frozen=True)

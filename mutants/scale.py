@@ -229,6 +229,8 @@ def worker(args) -> int:
                                                                      report.max_delta / report.meta["budget"]),
                                    top1=report.top1_agreement, mean_kl=report.mean_kl,
                                    excess={k: v["ratio"] for k, v in excess.items() if v["judged"]},
+                                   excess_positions={k: v["positions"] for k, v in excess.items() if v["judged"]},
+                                   excess_z={k: v.get("paired_z") for k, v in excess.items() if v["judged"]},
                                    digest=_digest(report))
                         if "budget_floor" in report.meta:
                             row["budget_floor"] = report.meta["budget_floor"]

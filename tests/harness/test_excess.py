@@ -95,3 +95,23 @@ def test_a_bf16_candidate_is_judged_against_its_noise_floor(g1_checkpoint, g1_or
     assert table["after-piece"]["positions"] > 0
     fp32 = check_scenario("reference", scenario, oracle=g1_oracle, source=source, dtype="float32")
     assert "excess" not in fp32.meta
+
+
+def test_paired_z_is_the_mean_excess_over_atol_in_standard_errors():
+    from harness.compare import paired_z
+
+    cand, ref = [0.3, 0.1, 0.2, 0.6], [0.1, 0.1, 0.2, 0.2]
+    diffs = [c - 1.5 * r for c, r in zip(cand, ref)]                   # 0.15, -0.05, -0.1, 0.3
+    mean = sum(diffs) / 4
+    sd = (sum((d - mean) ** 2 for d in diffs) / 3) ** 0.5
+    assert paired_z(cand, ref, 1.5, 0.01) == pytest.approx((mean - 0.01) / (sd / 2))
+    assert paired_z([0.2], [0.1], 1.5, 0.0) is None
+    assert paired_z([0.3, 0.3], [0.1, 0.1], 1.5, 0.0) == float("inf")
+    assert paired_z([0.75, 0.75], [0.5, 0.5], 1.5, 0.0) == 0.0 and paired_z([0.5, 0.5], [0.5, 0.5], 1.5, 0.0) < 0
+
+
+def test_every_class_reports_its_paired_z_a_uniform_excess_far_above_a_noise_floor_copy():
+    clean = _judge(lambda p: 1.0).meta["excess"]["classes"]
+    doubled = _judge(lambda p: 2.0).meta["excess"]["classes"]
+    assert clean["all"]["paired_z"] < -3 and doubled["all"]["paired_z"] > 3
+    assert all("paired_z" in row for row in doubled.values())
