@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -111,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
                               "report.json holds each rule's verdict on the same runs (`rules`)")
     compare.add_argument("--budget-quantile", type=float, default=None, metavar="Q",
                          help="the quantile rule's floor (default 0.99; with --budget-rule quantile)")
+    compare.add_argument("--excess-z", default=None, metavar="Z",
+                         help="the paired z a 16-bit candidate's excess class must pass, beside its ratio, to fail "
+                              "(default 3; `none`: the ratio alone; harness/compare.py, the excess test)")
     compare.add_argument("--gated-norm", default="grouped", choices=("grouped", "full"),
                          help="the oracle's gated RMSNorm: per group (Bamba) or full width (transformers)")
     compare.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -289,6 +293,7 @@ class _Plan:
     note: str                          # printed once everything is known to be good
     oracle_memory: int | None          # --oracle-memory in bytes (None: no cap)
     budget_quantile: float             # --budget-quantile (the quantile rule's floor)
+    excess_z: float | None             # --excess-z (None: the ratio alone)
 
 
 def _validate(args) -> _Plan:
@@ -312,6 +317,7 @@ def _validate(args) -> _Plan:
     _check_device(args.device)
     oracle_memory = None if args.oracle_memory is None else parse_size(args.oracle_memory)
     budget_quantile = _budget_quantile(args)
+    excess_z = _excess_z(args)
     checkpoint = Path(args.checkpoint)
     cfg = _read_config(checkpoint)
     _check_weights(checkpoint, cfg)
@@ -328,7 +334,26 @@ def _validate(args) -> _Plan:
         base_dtype = base_cls.default_dtype
     k = DEFAULT_K if args.k is None else args.k
     return _Plan(engine_cls, dtype, engine_args, base_cls, base_dtype, against_args, k, checkpoint, chosen, source,
-                 note, oracle_memory, budget_quantile)
+                 note, oracle_memory, budget_quantile, excess_z)
+
+
+def _excess_z(args) -> float | None:
+    """--excess-z: a finite number, or `none` (the ratio alone); not with --against, which runs no excess test."""
+    from .compare import EXCESS_Z
+
+    if args.excess_z is None:
+        return EXCESS_Z
+    if args.against:
+        raise UsageError(f"--excess-z {args.excess_z}: not with --against (the excess test is against the oracle)")
+    if args.excess_z.strip().lower() == "none":
+        return None
+    try:
+        z = float(args.excess_z)
+    except ValueError:
+        z = math.nan
+    if not math.isfinite(z):
+        raise UsageError(f"--excess-z {args.excess_z}: expected a number (3, 2.5) or none")
+    return z
 
 
 def _budget_quantile(args) -> float:
@@ -355,7 +380,7 @@ def _oracle(plan: _Plan, args):
 
     return Oracle(plan.checkpoint, device=args.device, gated_norm=args.gated_norm, memory_limit=plan.oracle_memory,
                   budget_rule=args.budget_rules[0], budget_quantile=plan.budget_quantile,
-                  also_rules=args.budget_rules[1:])
+                  also_rules=args.budget_rules[1:], excess_z=plan.excess_z)
 
 
 def _run_one(plan: _Plan, scenario, args, oracle, progress=None) -> tuple[dict, object]:
@@ -426,7 +451,8 @@ def _settings(args, plan: _Plan) -> tuple[dict, dict]:
                 "atol": ATOL[plan.dtype] if args.atol is None else args.atol, "oracle_gated_norm": args.gated_norm,
                 "prompts": "random" if not plan.source.prompts else "file", "allow_skips": args.allow_skips,
                 "selected": [s.id for s in plan.scenarios],
-                "oracle": {"memory_limit_bytes": plan.oracle_memory}}
+                "oracle": {"memory_limit_bytes": plan.oracle_memory},
+                "excess_z": None if plan.base_cls is not None else plan.excess_z}
     return baseline, settings
 
 

@@ -26,7 +26,7 @@ from reference.checkpoint import parameter_count
 
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
-from .compare import (ATOL, BUDGET_QUANTILE, BUDGET_RULES, DEFAULT_K, Budget, Failure, NoiseFloor, Report, compare_runs,
+from .compare import (ATOL, BUDGET_QUANTILE, BUDGET_RULES, DEFAULT_K, EXCESS_Z, Budget, Failure, NoiseFloor, Report, compare_runs,
                       position_classes)
 from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
 from .invariance import FIELDS, first_difference
@@ -86,13 +86,16 @@ class Oracle:
 
     def __init__(self, checkpoint: str | Path, *, device: str | torch.device = "cpu", gated_norm: str = "grouped",
                  memory_limit: int | None = None, budget_rule: str = "max",
-                 budget_quantile: float = BUDGET_QUANTILE, also_rules: Sequence[str] = ()):
+                 budget_quantile: float = BUDGET_QUANTILE, also_rules: Sequence[str] = (),
+                 excess_z: float | None = EXCESS_Z):
         """memory_limit (bytes; --oracle-memory): a reference model whose weights in its dtype, with ROOM_FACTOR
         for its activations, exceed it runs layer-streamed (reference/model.py), else resident; None: resident.
         budget_rule, budget_quantile (--budget-rule, --budget-quantile): how budget() sets each position's
         budget from the reference's own errors (harness/compare.py, BUDGET_RULES). also_rules: other rules each
         scenario is judged by too, on the same candidate run (the verdict stays budget_rule's; report.meta["rules"]
-        holds every rule's: judged_by_rules), so that one run measures several rules (mutants.scale)."""
+        holds every rule's: judged_by_rules), so that one run measures several rules (mutants.scale).
+        excess_z (--excess-z): the paired z an excess class must pass to fail (NoiseFloor.z_limit; None: the ratio
+        alone)."""
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
         self.gated_norm = gated_norm
@@ -109,6 +112,10 @@ class Oracle:
         if unknown:
             raise ValueError(f"also_rules: expected rules among {list(BUDGET_RULES)}, got {unknown}")
         self.also_rules = tuple(r for r in dict.fromkeys(also_rules) if r != budget_rule)
+        if excess_z is not None and (isinstance(excess_z, bool) or not isinstance(excess_z, (int, float))
+                                     or not math.isfinite(excess_z)):
+            raise ValueError(f"excess_z: expected a finite number or None, got {excess_z!r}")
+        self.excess_z = None if excess_z is None else float(excess_z)
         self._engines: dict[tuple, ReferenceEngine] = {}
         self._results: dict[tuple, RequestResult] = {}
         self._errors: dict[tuple, list[float]] = {}
@@ -280,7 +287,7 @@ class Oracle:
         chunk = json.loads((self.checkpoint / "config.json").read_text())["mamba_chunk_size"]
         classes = {r.request_id: position_classes(len(r.prompt), r.max_new_tokens, pieces[i], chunk)
                    for i, r in enumerate(requests)}
-        return NoiseFloor(dtype_name(dtype), errors, classes, atol=atol)
+        return NoiseFloor(dtype_name(dtype), errors, classes, atol=atol, z_limit=self.excess_z)
 
     def save_cache(self, path: str | Path) -> None:
         """Write every result and error computed so far, so that another process (a mutant's, say) judges against

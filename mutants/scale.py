@@ -231,6 +231,7 @@ def worker(args) -> int:
                                    excess={k: v["ratio"] for k, v in excess.items() if v["judged"]},
                                    excess_positions={k: v["positions"] for k, v in excess.items() if v["judged"]},
                                    excess_z={k: v.get("paired_z") for k, v in excess.items() if v["judged"]},
+                                   excess_over_ratio=sorted(k for k, v in excess.items() if v.get("over_ratio")),
                                    digest=_digest(report))
                         if "budget_floor" in report.meta:
                             row["budget_floor"] = report.meta["budget_floor"]
@@ -472,6 +473,7 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
                      f"{_fmt(budget / largest if budget is not None and largest else None)} | "
                      f"{_fmt(max((_over_budget(r) for r in rows if 'max_delta' in r), default=None))} | "
                      f"{_fmt(max((v for r in rows for v in r.get('excess', {}).values()), default=None))} |")
+    lines += excess_lines(clean)
     lines += ["", "## Engine mutants", "", "| mutant | " + " | ".join(dtypes) + " | effect (max \\|Δ\\|/budget; excess "
               "ratio) per dtype |", "| --- | " + " | ".join("---" for _ in dtypes) + " | --- |"]
     shared: dict[tuple, list[str]] = {}               # a survivor's differing output -> the mutants that gave it
@@ -511,6 +513,38 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
     if skipped:
         lines += ["", "## Not judged here", ""] + [f"- {name}: {why}" for name, why in sorted(skipped.items())]
     return "\n".join(lines) + "\n"
+
+
+def excess_lines(clean: list[dict]) -> list[str]:
+    """The excess test on the clean runs, per dtype: its judged classes, the largest ratio and paired z, and the runs
+    it failed by the ratio alone and by ratio and z (the verdict's rule; harness/compare.py). Rows without paired z
+    (recorded before it was) are left out of the z columns."""
+    lines = []
+    for dtype in sorted({r["dtype"] for r in clean}):
+        rows = [r for r in clean if r["dtype"] == dtype and r.get("excess") and not r.get("repeat")]
+        classes = [(r, k) for r in rows for k in r["excess"]]
+        if not classes:
+            continue
+        zs = [(r["excess_z"][k], r, k) for r, k in classes
+              if r.get("excess_z", {}).get(k) is not None]
+        top = max(classes, key=lambda rk: rk[0]["excess"][rk[1]])
+        by_ratio = [r for r in rows if r.get("excess_over_ratio")
+                    or (r.get("excess_over_ratio") is None and "excess" in r.get("checks", []))]
+        by_both = [r for r in rows if "excess" in r.get("checks", [])]
+
+        def where(r, k):
+            n = r.get("excess_positions", {}).get(k)
+            return f"{r['scenario']} seed {r['seed']} {k}" + (f", {n} positions" if n is not None else "")
+
+        line = (f"- {dtype}: {len(classes)} judged classes in {len(rows)} runs; largest ratio "
+                f"{top[0]['excess'][top[1]]:.2f} ({where(*top)})")
+        if zs:
+            z, r, k = max(zs, key=lambda t: t[0])
+            line += f"; largest paired z {z:.2f} ({where(r, k)}) of the {len(zs)} classes that record it"
+        line += (f"; runs over the ratio limit {len(by_ratio)}, failed by the excess test (ratio and paired z) "
+                 f"{len(by_both)}")
+        lines.append(line)
+    return ["", "Excess test on the clean runs:", ""] + lines if lines else []
 
 
 def plot(mutants: list[dict], dtypes: list[str], path: Path) -> bool:

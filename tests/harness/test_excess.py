@@ -4,11 +4,13 @@ the class, leave small classes unjudged, and pass a candidate whose error is the
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from harness.compare import (EXCESS_RATIO, MIN_CLASS_POSITIONS, Budget, NoiseFloor, compare_runs,
-                             position_classes)
+from harness.compare import (EXCESS_RATIO, EXCESS_Z, MIN_CLASS_POSITIONS, Budget, NoiseFloor, compare_runs,
+                             excess_table, position_classes)
 from harness.engine import EngineOptions, Request, result_from_logprobs
 from harness.runner import check_scenario
 from harness.scenarios import PromptSource, Scenario
@@ -25,7 +27,7 @@ def _rows(seed: int) -> tuple[torch.Tensor, list[int]]:
     return rows, [int(rows[T - 1 + s].argmax()) for s in range(N_NEW)]
 
 
-def _judge(scale_by_position, *, min_positions=MIN_CLASS_POSITIONS, pieces=((0, T, False),)):
+def _judge(scale_by_position, *, min_positions=MIN_CLASS_POSITIONS, pieces=((0, T, False),), z_limit=EXCESS_Z):
     """One request; the noise floor's error at position p is e_p in [0.01, 0.1]; the candidate's logprob row at p
     moves by scale_by_position(p) · e_p (alternating sign). The max budget is far above every delta."""
     req = Request("r", tuple(t % V for t in range(1, T + 1)), N_NEW, top_k=3, full_distributions=True)
@@ -36,7 +38,7 @@ def _judge(scale_by_position, *, min_positions=MIN_CLASS_POSITIONS, pieces=((0, 
         cand[row] += (-1) ** row * scale_by_position(row + 1) * errors[row]
     decode = [(T - 1 + s, T + s, True) for s in range(N_NEW)]
     classes = {"r": position_classes(T, N_NEW, list(pieces) + decode, chunk_size=8, window=4)}
-    noise = NoiseFloor("bfloat16", {"r": errors}, classes, min_positions=min_positions)
+    noise = NoiseFloor("bfloat16", {"r": errors}, classes, min_positions=min_positions, z_limit=z_limit)
     return compare_runs(scenario="synthetic", requests=[req], baseline=[result_from_logprobs(req, base, out)],
                         candidate=[result_from_logprobs(req, cand, out)], budget=Budget(2.0, 0.0, 5.0), noise=noise)
 
@@ -63,7 +65,9 @@ def test_an_error_twice_the_noise_floor_everywhere_fails_though_every_position_i
     assert {"all", "prompt"} <= failed
     message = next(f for f in report.failures if f.where == "all").message()
     assert "synthetic: positions all: mean |Δ|" in message and "2.00× the bfloat16 reference's" in message
-    assert f"limit {EXCESS_RATIO:g}×" in message
+    assert f"limit {EXCESS_RATIO:g}×" in message and f"> {EXCESS_Z:g})" in message
+    row = report.meta["excess"]["classes"]["all"]
+    assert row["over_ratio"] and row["failed"] and row["paired_z"] > EXCESS_Z
 
 
 def test_an_excess_confined_to_positions_after_a_piece_boundary_is_named():
@@ -115,3 +119,77 @@ def test_every_class_reports_its_paired_z_a_uniform_excess_far_above_a_noise_flo
     doubled = _judge(lambda p: 2.0).meta["excess"]["classes"]
     assert clean["all"]["paired_z"] < -3 and doubled["all"]["paired_z"] > 3
     assert all("paired_z" in row for row in doubled.values())
+
+
+def _spiky(p: int) -> float:
+    """Every eighth position 7.5 times the noise floor's error, the rest at it: the class means just over the ratio
+    limit, set by a handful of positions."""
+    return 7.5 if p % 8 == 0 else 1.0
+
+
+def test_a_ratio_over_the_limit_that_a_few_positions_set_passes_on_its_paired_z_and_fails_by_the_ratio_alone():
+    report = _judge(_spiky)
+    row = report.meta["excess"]["classes"]["all"]
+    assert row["judged"] and row["ratio"] > EXCESS_RATIO and row["over_ratio"], row        # the premise
+    assert 0 < row["paired_z"] < EXCESS_Z and not row["failed"]
+    assert "all" not in {f.where for f in report.failures if f.what == "excess"}, report.message()
+    assert report.meta["excess"]["z_limit"] == EXCESS_Z
+    ratio_alone = _judge(_spiky, z_limit=None)
+    assert ratio_alone.meta["excess"]["classes"]["all"]["failed"]
+    message = next(f for f in ratio_alone.failures if f.where == "all").message()
+    assert "paired z" not in message and f"limit {EXCESS_RATIO:g}× + 0)" in message
+
+
+def test_the_same_excess_spread_over_every_position_fails_on_its_paired_z():
+    """The spiky candidate's mean excess, moved onto every position: same ratio, and now significant."""
+    spiky = _judge(_spiky).meta["excess"]["classes"]["all"]
+    even = _judge(lambda p: spiky["ratio"]).meta["excess"]["classes"]["all"]
+    assert even["ratio"] == pytest.approx(spiky["ratio"], rel=0.1)
+    assert even["paired_z"] > EXCESS_Z and even["failed"]
+
+
+def test_a_class_whose_paired_z_is_not_a_number_fails():
+    """An infinite error makes the mean infinite and z NaN: that must fail, not pass by a comparison with NaN."""
+    class Row:
+        request_id, positions, deltas = "r", list(range(1, 41)), [0.1] * 39 + [float("inf")]
+    classes = {"r": {name: set(range(1, 41)) for name in ("all", "prompt")}}
+    noise = NoiseFloor("bfloat16", {"r": [0.1] * 40}, classes)
+    row = excess_table([Row()], noise)["all"]
+    assert row["judged"] and row["failed"] and not row["paired_z"] == row["paired_z"]
+
+
+def test_the_oracle_takes_a_finite_z_limit_or_none():
+    from harness.runner import Oracle
+
+    for bad in ("3", float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="excess_z: expected a finite number or None"):
+            Oracle("unused", excess_z=bad)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--excess-z", "three"], "--excess-z three: expected a number (3, 2.5) or none"),
+    (["--excess-z", "nan"], "--excess-z nan: expected a number"),
+    (["--excess-z", "inf"], "--excess-z inf: expected a number"),
+    (["--excess-z", "2", "--against", "reference"], "--excess-z 2: not with --against"),
+])
+def test_the_cli_refuses_an_excess_z_it_cannot_use(args, message, g1_checkpoint, tmp_path, capsys):
+    from harness.cli import main as cli_main
+
+    code = cli_main(["compare", "--engine", "reference", "--checkpoint", str(g1_checkpoint), "--scenarios",
+                     "batching-alone", "--out", str(tmp_path / "out"), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value, expected", [(None, EXCESS_Z), ("none", None), ("2.5", 2.5)])
+def test_the_report_says_which_excess_rule_judged(value, expected, g1_checkpoint, tmp_path, capsys):
+    from harness.cli import main as cli_main
+
+    code = cli_main(["compare", "--engine", "reference", "--dtype", "bfloat16", "--checkpoint", str(g1_checkpoint),
+                     "--scenarios", "batching-alone", "--out", str(tmp_path),
+                     *(["--excess-z", value] if value else [])])
+    assert code == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["excess_z"] == expected and report["scenarios"][0]["excess"]["z_limit"] == expected
+

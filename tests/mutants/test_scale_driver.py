@@ -497,3 +497,21 @@ def test_the_report_names_the_model_measured_and_a_name_of_another_shape_is_refu
         model_config(args("bamba9b-2layer", str(held)))
     with pytest.raises(SystemExit, match="--model my-label: no such scale model"):
         model_config(args("my-label", str(tmp_path / "empty")))
+
+
+def test_the_excess_lines_count_clean_runs_over_the_ratio_and_failed_by_ratio_and_z():
+    from mutants.scale import excess_lines
+
+    over = _row("a", "bfloat16", "PASS", "d1", seed=1, excess={"all": 1.1, "after-chunk": 1.7})
+    over.update(excess_positions={"all": 500, "after-chunk": 33}, excess_z={"all": -9.0, "after-chunk": 0.8},
+                excess_over_ratio=["after-chunk"])
+    failed = _row("a", "bfloat16", "FAIL", "d2", seed=2, excess={"all": 2.4}, checks=["excess"])
+    failed.update(excess_positions={"all": 500}, excess_z={"all": 12.0}, excess_over_ratio=["all"])
+    legacy = _row("b", "bfloat16", "PASS", "d3", seed=3, excess={"all": 0.9})        # recorded before paired z
+    fp32 = {**_row("a", "float32", "PASS", "d4"), "excess": {}}                  # no excess test in fp32
+    text = "\n".join(excess_lines([over, failed, legacy, fp32]))
+    assert ("bfloat16: 4 judged classes in 3 runs; largest ratio 2.40 (a seed 2 all, 500 positions); largest "
+            "paired z 12.00 (a seed 2 all, 500 positions) of the 3 classes that record it; runs over the ratio "
+            "limit 2, failed by the excess test (ratio and paired z) 1") in text
+    assert "float32" not in text
+    assert excess_lines([fp32]) == [] and excess_lines([{**over, "repeat": True}]) == []
