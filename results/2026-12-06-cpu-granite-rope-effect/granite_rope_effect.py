@@ -23,7 +23,8 @@ def lp(c, w, dtype):
     del m
     return torch.cat(out)
 res = {}
-for qk in (1.0, float((cfg.attention_scale * cfg.attn_head_dim ** 0.5) ** -0.5)):
+for qk in ([float(x) for x in sys.argv[1:]]          # gains to try; default: as drawn and (multiplier·√Dh)^-½
+           or (1.0, float((cfg.attention_scale * cfg.attn_head_dim ** 0.5) ** -0.5))):
     w = {k: (v.float() * qk).to(torch.bfloat16) if (".q_proj." in k or ".k_proj." in k) else v for k, v in w0.items()}
     ref = lp(cfg, w, torch.float64); twin = lp(cfg, w, torch.bfloat16)
     mut = lp(rope_cfg, w, torch.float64); mut16 = lp(rope_cfg, w, torch.bfloat16)
