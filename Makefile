@@ -60,8 +60,9 @@ test-all: $(STAMP)
 	$(PYTEST_CPU) -m "not gpu" tests
 
 # On the GPU image: the gpu-marked tests plus everything else that runs on CUDA when it is present, GPU_XDIST
-# processes sharing the one GPU (on an H100 80GB, 2026-12-06: 8 workers 103 s from a fresh machine, 76 s with an
-# empty Triton cache on a warm one; 12 workers ran two tests out of memory; results/2026-12-06-h100-make-test-gpu).
+# processes sharing the one GPU (2026-12-06, from a fresh machine: 82 s on an H200, 75 s on an H100 80GB since each
+# worker takes its share of the cores, 103 s before; 12 workers ran two tests out of memory on the H100;
+# results/2026-12-06-h200-make-test-gpu, results/2026-12-06-h100-make-test-gpu).
 # Each worker returns its cached GPU memory after every test; the tests that need more than a worker's share carry
 # pytest.mark.xdist_group("large-gpu-memory"), so --dist loadgroup runs them one at a time (conftest.py).
 GPU_XDIST ?= 8
