@@ -761,9 +761,17 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
 
     def seed0():
         if not cache.is_file() and (out / "clean-seed0.jsonl").is_file():
-            # its oracle results are lost: seed 0 runs again from the start (the runs already recorded would be
-            # skipped, and the cache left empty), its old rows kept beside for comparison
-            (out / "clean-seed0.jsonl").replace(out / "clean-seed0.jsonl.without-cache")
+            # its oracle results are lost: seed 0 runs again from the start in the dtypes asked now (the runs already
+            # recorded would be skipped, and the cache left empty); their old rows are appended beside for
+            # comparison, and the rows of dtypes not asked now stay where the summary reads them
+            rows = _read(out / "clean-seed0.jsonl")
+            with open(out / "clean-seed0.jsonl.without-cache", "a") as kept:
+                kept.writelines(json.dumps(r) + "\n" for r in rows if r["dtype"] in asked["dtypes"])
+            others = [r for r in rows if r["dtype"] not in asked["dtypes"]]
+            if others:
+                (out / "clean-seed0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in others))
+            else:
+                (out / "clean-seed0.jsonl").unlink()
         if not (_complete(out / "clean-seed0.jsonl", seeds=[0], **asked) and cache.is_file()):
             statuses.append(run(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", seeds=1, need="oracle",
                                 cache=cache if cache.is_file() else None, save_cache=cache))
@@ -822,11 +830,17 @@ def _report(args, out: Path, judged: list, skipped: dict[str, str], groups: list
     others' with -RULE before the suffix). Exit status 0 only when every clean run passed by every rule and every
     run is complete."""
     files = [out / "clean-seed0.jsonl", out / REPEAT] + [out / _clean_file(first, count) for first, count in groups]
+    # clean seeds that an earlier call (--resume with another --clean-procs) recorded in files grouped otherwise
+    earlier = sorted(set(out.glob("clean-seeds*.jsonl")) - set(files))
     clean_rows = list({(r["seed"], r.get("repeat", False), r["scenario"], r["dtype"]): r
-                       for f in files for r in _read(f)}.values())
+                       for f in earlier + files for r in _read(f)}.values())
     asked = dict(scenarios=args.scenarios.split(","), dtypes=dtypes)
     seeds = [[0], [0]] + [range(first, first + count) for first, count in groups]
-    incomplete = [str(f.name) for f, s in zip(files, seeds) if not _complete(f, seeds=s, **asked)]
+    have = {(r["seed"], r["scenario"], r["dtype"]) for r in clean_rows if not r.get("repeat")}
+    incomplete = [str(f.name) for f, s in zip(files, seeds)
+                  if not _complete(f, seeds=s, **asked)
+                  and (f.name == REPEAT or not all((seed, sc, d) in have for seed in s
+                                                   for sc in asked["scenarios"] for d in dtypes))]
     mutant_rows = {}
     for m in judged:
         results = out / f"mutant-{m.name}.jsonl"

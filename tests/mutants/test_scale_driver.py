@@ -382,6 +382,38 @@ def test_seed_0_runs_again_when_its_oracle_cache_is_lost(tmp_path, monkeypatch):
     assert (out / "clean-seed0.jsonl.without-cache").is_file() and (out / "oracle-cache.pt").is_file()
 
 
+def test_a_lost_oracle_cache_keeps_the_other_dtypes_seed_0_rows_and_every_earlier_set_aside_row(tmp_path,
+                                                                                                 monkeypatch):
+    """Seed 0 runs again in the dtype asked now: the rows of that dtype are appended to the set-aside file (whose
+    earlier rows stay), and the other dtype's rows stay in clean-seed0.jsonl for the summary."""
+    import json
+
+    from mutants import scale
+
+    def row(dtype, digest):
+        return dict(scenario="s", dtype=dtype, seed=0, verdict="PASS", digest=digest)
+
+    seen = []
+
+    def fake_worker(tree, results, log, *, save_cache=None, **kwargs):
+        seen.append(scale._read(results))
+        if save_cache is not None:
+            save_cache.write_bytes(b"cache")
+        with open(results, "a") as f:
+            f.write(json.dumps(row("float32", "new")) + "\n" + json.dumps(scale.DONE) + "\n")
+        return 0
+
+    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    args, out = _fake_measurement(tmp_path, resume=True, dtypes="float32")
+    (out / "clean-seed0.jsonl.without-cache").write_text(json.dumps(row("bfloat16", "first")) + "\n")
+    (out / "clean-seed0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        row("bfloat16", "bf16"), row("float32", "old"), scale.DONE)))
+    scale._measure(args, out, [], [])
+    assert seen[0] == [row("bfloat16", "bf16")]
+    assert scale._read(out / "clean-seed0.jsonl") == [row("bfloat16", "bf16"), row("float32", "new")]
+    assert scale._read(out / "clean-seed0.jsonl.without-cache") == [row("bfloat16", "first"), row("float32", "old")]
+
+
 def test_the_plot_draws_a_non_finite_effect_past_every_finite_one(tmp_path, monkeypatch):
     """An engine that returned inf (ssd-chunk-to-sequence-off-by-one in bf16) is the largest effect, not a missing
     bar: it is drawn past the largest finite value, hatched."""
