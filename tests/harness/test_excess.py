@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from harness.compare import (EXCESS_RATIO, EXCESS_Z, MIN_CLASS_POSITIONS, Budget, NoiseFloor, compare_runs,
+from harness.compare import (EXCESS_RATIO, EXCESS_RATIO_ALONE, EXCESS_Z, MIN_CLASS_POSITIONS, Budget, NoiseFloor, compare_runs,
                              excess_table, position_classes)
 from harness.engine import EngineOptions, Request, result_from_logprobs
 from harness.runner import check_scenario
@@ -138,6 +138,17 @@ def test_a_ratio_over_the_limit_that_a_few_positions_set_passes_on_its_paired_z_
     assert ratio_alone.meta["excess"]["classes"]["all"]["failed"]
     message = next(f for f in ratio_alone.failures if f.where == "all").message()
     assert "paired z" not in message and f"limit {EXCESS_RATIO:g}× + 0)" in message
+
+
+def test_an_excess_past_the_ratio_alone_bound_fails_though_a_few_positions_set_it():
+    """Every eighth position 20 times the noise floor's error: paired z stays small, the ratio is far past 2."""
+    report = _judge(lambda p: 20.0 if p % 8 == 0 else 1.0)
+    row = report.meta["excess"]["classes"]["all"]
+    assert row["ratio"] > EXCESS_RATIO_ALONE and row["paired_z"] < EXCESS_Z, row          # the premise
+    assert row["failed"]
+    message = next(f for f in report.failures if f.where == "all").message()
+    assert f"over {EXCESS_RATIO_ALONE:g}× whatever its paired z ({row['paired_z']:.2f})" in message
+    assert report.meta["excess"]["ratio_alone"] == EXCESS_RATIO_ALONE
 
 
 def test_the_same_excess_spread_over_every_position_fails_on_its_paired_z():
