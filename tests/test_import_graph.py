@@ -1,4 +1,4 @@
-"""The project's import graph has no cycle (issue 49): no module imports, at module level, a module that imports it
+"""The project's import graph has no cycle: no module imports, at module level, a module that imports it
 back, directly or through others. A cycle makes import order matter (a name used before the module that defines it
 has finished running) and ties two files that should be read, mutated and replaced one at a time.
 
