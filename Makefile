@@ -142,9 +142,9 @@ compare: $(STAMP)
 			--scenarios $(COMPARE_SCENARIOS)$(if $(filter $(m),$(COMPARE_EVENTS_MODEL)),$(comma)boundary-events))
 
 # The full matrix on both tiny models (make compare's job before it ran the representative selection): every
-# scenario that is not slow (preemption included) but the one- and two-token chunked-prefill budgets (11 of its minutes on 2 cores; the other
-# budgets produce every event they do: tests/engine/test_vendored_vs_oracle.py); COMPARE_ALL_SCENARIOS=all runs
-# them too; out/compare-all/<model>.
+# scenario that is not slow (preemption included) but the one- and two-token chunked-prefill budgets (11 of its
+# minutes on 2 cores; the other budgets produce every event they do: tests/engine/test_vendored_vs_oracle.py);
+# COMPARE_ALL_SCENARIOS=all runs them too; out/compare-all/<model>.
 COMPARE_ALL_SCENARIOS ?= all,-chunked_prefill-budget1-Q16,-chunked_prefill-budget2-Q16
 .PHONY: compare-all
 compare-all: $(STAMP)
