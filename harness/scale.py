@@ -45,7 +45,13 @@ chunks of 256 and across prefill pieces, which is where state bugs show: a quart
 (|A| in [1e-3, 1e-2]: at Δ <= 1 a token still weighs exp(-Δ·|A|·256) >= 0.07 a whole chunk later), a
 quarter slowly (|A| in [0.02, 0.2]), half fast (|A| in [1, 8]); dt_bias spreads Δ = softplus(dt + dt_bias) so that
 Bamba's time_step_limit (0.04, 1.5) clamps about a tenth of Δ at each end (measured by tests/harness/test_scale.py).
-The Granite entries draw the same way (their head is the tied embedding). Stored in bf16, as real checkpoints are,
+The Granite entries draw the same way (their head is the tied embedding), except that their q and k projections are
+multiplied by (attention_multiplier·√Dh)^-½, 3.36 at Granite's 1/128 and Dh 128 (`qk_gain`): with the zoo's draw, an
+attention scale of 1/128 instead of 1/√128 leaves the scores a spread of 0.12 and every query's attention uniform
+(its entropy 0.998 of the uniform's), unlike any model measured, trained or random (0.68-0.96); with the gain the
+scores spread as under a 1/√Dh scale and the entropy is 0.81, as for the Bamba entries' draw
+(results/2026-12-06-cpu-attention-sharpness). A uniform attention hides every positional bug, a NoPE layer given RoPE
+first (docs/scale.md). Stored in bf16, as real checkpoints are,
 one safetensors shard per layer with an index, the same bytes for the same (name, seed, device type) on every
 machine: the draws run on the device given (a CUDA generator is another stream than the CPU's, so a model drawn on
 a GPU differs from the one drawn on a CPU; both are deterministic).
@@ -147,6 +153,14 @@ def scale_ssm_scalars(key: str, shape: tuple[int, ...], gen: torch.Generator, de
     return None
 
 
+def qk_gain(cfg: ModelConfig) -> float:
+    """The factor on a scale model's q and k projections that gives its attention scores the spread they have under
+    a 1/√Dh scale: (attention_scale·√Dh)^-½; exactly 1 for a config without attention_multiplier (Bamba)."""
+    if cfg.attention_multiplier is None:
+        return 1.0
+    return (cfg.attention_scale * cfg.attn_head_dim ** 0.5) ** -0.5
+
+
 def _layer_of(key: str) -> int | None:
     parts = key.split(".")
     return int(parts[2]) if parts[:2] == ["model", "layers"] else None
@@ -166,7 +180,9 @@ def write_checkpoint(name: str, directory: str | Path, *, seed: int = 0, device:
     shard_of: Callable[[str], str] = lambda key: ("model-layer{:02d}.safetensors".format(_layer_of(key))
                                                   if _layer_of(key) is not None else "model-outer.safetensors")
     current = None
-    keys = iter_weights(cfg, seed, ssm_scalars=scale_ssm_scalars, device=device, dtype=torch.bfloat16)
+    factor = qk_gain(cfg)
+    keys = iter_weights(cfg, seed, ssm_scalars=scale_ssm_scalars, device=device, dtype=torch.bfloat16,
+                        gain=lambda key: factor if key.endswith(("q_proj.weight", "k_proj.weight")) else 1.0)
     total = cfg.num_hidden_layers + 1
     with tqdm(total=total, desc=f"writing {name}", unit="shard", disable=not progress) as bar:
         def flush() -> None:

@@ -187,10 +187,11 @@ def zoo_ssm_scalars(key: str, shape: tuple[int, ...], gen: torch.Generator, devi
 
 
 def iter_weights(cfg: ModelConfig, seed: int, *, ssm_scalars=zoo_ssm_scalars, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, gain=None):
     """(key, tensor) for every tensor the config's model reads (tied heads left out), in checkpoint order, drawn one
     at a time on `device` as the module docstring says and returned in `dtype` on the CPU. ssm_scalars(key, shape,
-    generator, device) draws A_log and dt_bias (None for other keys): the one thing a model family tunes."""
+    generator, device) draws A_log and dt_bias (None for other keys): the one thing a model family tunes. gain(key):
+    a factor a tensor is multiplied by before it is rounded to `dtype` (None: 1 for every key)."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -215,7 +216,8 @@ def iter_weights(cfg: ModelConfig, seed: int, *, ssm_scalars=zoo_ssm_scalars, de
             value = MATRIX_SCALE / shape[2] ** 0.5 * randn(shape)
         else:                                                                        # embedding, conv taps
             value = 0.2 * randn(shape)
-        yield key, value.to(dtype).cpu().contiguous()
+        factor = 1.0 if gain is None else gain(key)
+        yield key, (value if factor == 1.0 else value * factor).to(dtype).cpu().contiguous()
 
 
 def draw_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

@@ -187,3 +187,25 @@ def test_write_model_command(tmp_path, capsys):
     assert cli.main(["write-model", "bamba9b-3layer", str(tmp_path / "y")]) == cli.EXIT_USAGE
     assert "unknown model 'bamba9b-3layer'" in capsys.readouterr().err
     assert cli.main(["write-model", "pure-mamba2"]) == cli.EXIT_USAGE
+
+
+def test_only_a_config_with_an_attention_multiplier_gets_a_qk_gain():
+    assert all(scale.qk_gain(ModelConfig.from_dict(scale.config_dict(n))) == 1.0 for n in scale.SCALE
+               if n.startswith("bamba"))
+    tiny = ModelConfig.from_dict(scale.config_dict("granite4h-tiny-2layer"))
+    assert scale.qk_gain(tiny) == pytest.approx((128 / 128 ** 0.5) ** 0.5)            # 1/128 at Dh 128: 3.36
+    assert scale.qk_gain(tiny) ** 2 * tiny.attention_scale == pytest.approx(tiny.attn_head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("name", ["granite4h-tiny-2layer", "bamba9b-2layer"])
+def test_q_and_k_are_the_zoo_draw_times_the_gain_every_other_tensor_the_draw_itself(name, tmp_path):
+    from harness.zoo import iter_weights
+
+    cfg, weights = load_checkpoint(scale.write_checkpoint(name, tmp_path / name, progress=False, **shrunk(name)))
+    gain = scale.qk_gain(cfg)
+    drawn = dict(iter_weights(cfg, 0, ssm_scalars=scale.scale_ssm_scalars, dtype=torch.float32))
+    qk = [k for k in drawn if k.endswith(("q_proj.weight", "k_proj.weight"))]
+    assert qk and (gain > 3) == cfg.granite
+    for key, value in drawn.items():
+        expected = (value * gain if key in qk else value).to(torch.bfloat16)
+        assert torch.equal(weights[key], expected), key
