@@ -113,8 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--budget-quantile", type=float, default=None, metavar="Q",
                          help="the quantile rule's floor (default 0.99; with --budget-rule quantile)")
     compare.add_argument("--excess-z", default=None, metavar="Z",
-                         help="the paired z a 16-bit candidate's excess class must pass, beside its ratio, to fail "
-                              "(default 3; `none`: the ratio alone; harness/compare.py, the excess test)")
+                         help="between 1.5x and 2x the reference's mean error, the paired z a 16-bit candidate's "
+                              "excess class must pass to fail (default 3; `none`: the ratio 1.5 alone; "
+                              "harness/compare.py, the excess test)")
     compare.add_argument("--gated-norm", default="grouped", choices=("grouped", "full"),
                          help="the oracle's gated RMSNorm: per group (Bamba) or full width (transformers)")
     compare.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",

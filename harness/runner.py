@@ -26,8 +26,8 @@ from reference.checkpoint import parameter_count
 
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
-from .compare import (ATOL, BUDGET_QUANTILE, BUDGET_RULES, DEFAULT_K, EXCESS_Z, Budget, Failure, NoiseFloor, Report, compare_runs,
-                      position_classes)
+from .compare import (ATOL, BUDGET_QUANTILE, BUDGET_RULES, DEFAULT_K, EXCESS_Z, Budget, Failure, NoiseFloor, Report,
+                      compare_runs, position_classes)
 from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
 from .invariance import FIELDS, first_difference
 from .scenarios import Configuration, PromptSource, Scenario, batching_shapes

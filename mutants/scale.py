@@ -47,6 +47,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -517,8 +518,8 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
 
 def excess_lines(clean: list[dict]) -> list[str]:
     """The excess test on the clean runs, per dtype: its judged classes, the largest ratio and paired z, and the runs
-    it failed by the ratio alone and by ratio and z (the verdict's rule; harness/compare.py). Rows without paired z
-    (recorded before it was) are left out of the z columns."""
+    it failed by the ratio 1.5 alone and by the excess test as judged (ratio with paired z or the 2x bound;
+    harness/compare.py). Rows without paired z (recorded before it was) are left out of the z columns."""
     lines = []
     for dtype in sorted({r["dtype"] for r in clean}):
         rows = [r for r in clean if r["dtype"] == dtype and r.get("excess") and not r.get("repeat")]
@@ -541,7 +542,7 @@ def excess_lines(clean: list[dict]) -> list[str]:
         if zs:
             z, r, k = max(zs, key=lambda t: t[0])
             line += f"; largest paired z {z:.2f} ({where(r, k)}) of the {len(zs)} classes that record it"
-        line += (f"; runs over the ratio limit {len(by_ratio)}, failed by the excess test (ratio and paired z) "
+        line += (f"; runs over the ratio limit {len(by_ratio)}, failed by the excess test "
                  f"{len(by_both)}")
         lines.append(line)
     return ["", "Excess test on the clean runs:", ""] + lines if lines else []
@@ -831,7 +832,8 @@ def _report(args, out: Path, judged: list, skipped: dict[str, str], groups: list
     run is complete."""
     files = [out / "clean-seed0.jsonl", out / REPEAT] + [out / _clean_file(first, count) for first, count in groups]
     # clean seeds that an earlier call (--resume with another --clean-procs) recorded in files grouped otherwise
-    earlier = sorted(set(out.glob("clean-seeds*.jsonl")) - set(files))
+    earlier = sorted({f for f in out.glob("clean-seed*.jsonl")
+                      if re.fullmatch(r"clean-seeds?\d+(-\d+)?\.jsonl", f.name)} - set(files))
     clean_rows = list({(r["seed"], r.get("repeat", False), r["scenario"], r["dtype"]): r
                        for f in earlier + files for r in _read(f)}.values())
     asked = dict(scenarios=args.scenarios.split(","), dtypes=dtypes)

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from harness.compare import (EXCESS_RATIO, EXCESS_RATIO_ALONE, EXCESS_Z, MIN_CLASS_POSITIONS, Budget, NoiseFloor, compare_runs,
-                             excess_table, position_classes)
+from harness.compare import (EXCESS_RATIO, EXCESS_RATIO_ALONE, EXCESS_Z, MIN_CLASS_POSITIONS, Budget, NoiseFloor,
+                             compare_runs, excess_table, position_classes)
 from harness.engine import EngineOptions, Request, result_from_logprobs
 from harness.runner import check_scenario
 from harness.scenarios import PromptSource, Scenario

@@ -544,6 +544,30 @@ def test_the_excess_lines_count_clean_runs_over_the_ratio_and_failed_by_ratio_an
     text = "\n".join(excess_lines([over, failed, legacy, fp32]))
     assert ("bfloat16: 4 judged classes in 3 runs; largest ratio 2.40 (a seed 2 all, 500 positions); largest "
             "paired z 12.00 (a seed 2 all, 500 positions) of the 3 classes that record it; runs over the ratio "
-            "limit 2, failed by the excess test (ratio and paired z) 1") in text
+            "limit 2, failed by the excess test 1") in text
     assert "float32" not in text
     assert excess_lines([fp32]) == [] and excess_lines([{**over, "repeat": True}]) == []
+
+
+def test_the_report_reads_clean_seeds_that_an_earlier_call_grouped_otherwise(tmp_path):
+    """Seeds 1-3 recorded by a call with another --clean-procs (clean-seeds1-2.jsonl, clean-seed3.jsonl), then the
+    report run with a grouping that names clean-seeds1-3.jsonl: every seed is counted and nothing is incomplete; a
+    seed no file holds is still named."""
+    import json
+
+    from mutants.scale import DONE, main
+
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows + [DONE]))
+
+    write("clean-seed0.jsonl", [_row("s", "bfloat16", "PASS", "aaa")])
+    write("clean-seed0-repeat.jsonl", [dict(_row("s", "bfloat16", "PASS", "aaa"), repeat=True)])
+    write("clean-seeds1-2.jsonl", [_row("s", "bfloat16", "PASS", f"d{k}", seed=k) for k in (1, 2)])
+    write("clean-seed3.jsonl", [_row("s", "bfloat16", "PASS", "d3", seed=3)])
+    write("mutant-ssd-D-dropped.jsonl", [_row("s", "bfloat16", "FAIL", "ccc", checks=["logprob"])])
+    args = ["--report-only", "--out", str(tmp_path), "--dtypes", "bfloat16", "--scenarios", "s",
+            "--clean-procs", "1", "--only", "ssd-D-dropped"]
+    assert main(args + ["--clean-seeds", "4"]) == 0
+    assert "| s | bfloat16 | 4 | 0 |" in (tmp_path / "table.md").read_text()
+    assert main(args + ["--clean-seeds", "5"]) == 1
+    assert "Incomplete (run again with --resume): clean-seeds1-4.jsonl" in (tmp_path / "table.md").read_text()
