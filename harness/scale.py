@@ -14,9 +14,9 @@ products of reference.checkpoint.expected_shapes, sizes 2 bytes a parameter in b
     granite4h-small-full    Small's 40 layers, attention at 5, 15, 25, 35     32.2 B (32,207,337,984),
                                                                               64.4 GB = 59.99 GiB; fp64 257.7 GB
 
-granite4h-small-full in bf16 takes 59.99 of the one-GPU machines' 64 GiB of disk, leaving 4 GiB that the system, the
-Python environment (torch alone takes several) and the working tree share: it fits only if they take less, which has
-not been checked on a machine (the multi-GPU kinds have 128 GiB of disk and more). In fp64 (257.7 GB = 240 GiB) it
+granite4h-small-full in bf16 takes 59.99 GiB; a one-GPU machine with the system, the Python environment and the working
+tree in place had 63 GiB of its disk free (docs/scale.md), so it fits there with about 3 GiB to spare (the multi-GPU
+kinds have 128 GiB of disk and more). In fp64 (257.7 GB = 240 GiB) it
 is more than one H200's 141 GB and the machine's 128 GiB of memory, so its oracle must run layer-streamed
 (`--oracle-memory`, reference/model.py): at most one layer's fp64 weights at a time, 6.4 GB, or the embedding's 3.3
 GB. The published Tiny (40 layers) counts 6,939,037,248 parameters by the same sum, 12.92 GiB in bf16.
