@@ -23,8 +23,9 @@ from .conftest import TINY_CFG
 # W-1, Q-1, Q, Q+1, 2Q+1, 3Q+2 and 1000 over a workload whose one-token request arrives at step 2, mid-run.
 CASES = [s for s in build_scenarios(TINY_CFG) if s.kind in ("batching", "chunked_prefill")]
 # One and two tokens a step take 390 s and 200 s of `make test`'s CPU time under the Triton interpreter: they run
-# under `slow` (`make test-slow`, also in CI), and test_make_test_keeps_every_event checks that the cases left in
-# `make test` still produce every boundary event the whole matrix does.
+# under `slow` (`make test-slow`; CI's share leaves them out, SLOW_CI in the Makefile), and
+# test_make_test_keeps_every_event checks that the cases left in `make test` still produce every boundary event the
+# whole matrix does.
 SLOW_CASES = ("chunked_prefill-budget1-Q16", "chunked_prefill-budget2-Q16")
 PARAMS = [pytest.param(s, id=s.id, marks=[pytest.mark.slow] if s.slow or s.id in SLOW_CASES else []) for s in CASES]
 
