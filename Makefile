@@ -48,12 +48,13 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PYTEST_CPU) --durations=20 -m "not gpu and not slow" tests
 
-# SLOW_CI=1 (.ci/run): CI's share of it. Measured 2026-12-07 on 2 cores, test-slow is 3,490 worker-seconds (30 min);
+# SLOW_CI=1 (.ci/run): CI's share of it. Measured 2026-12-07 on 2 cores, test-slow is 3,700 worker-seconds (31 min);
 # CI leaves out 2,530 of them: the tiny model's slow scenarios (one- and two-token budgets, whose boundary events the
 # budget-3 case of make test also produces; a long decode; 64 requests through 8 slots; a bf16 SSM state), two of the
 # three batch-invariant schedule tests (the cheapest, alone / together / in pieces, stays), the invariant-cost bench's
 # test, the config zoo's matrix and tests/harness/test_engines.py's (make test runs one scenario of each zoo model and
-# the engines' fast cases). Schedule fuzzing, tp/pp, worker processes and the CPU graph runner stay: ~8 min.
+# the engines' fast cases). Schedule fuzzing (480 s alone), tp/pp, worker processes, the CPU graph runner, run-ahead
+# and sampling stay: ~10 min.
 SLOW_CI_LEAVE_OUT := tests/engine/test_vendored_vs_oracle.py tests/bench/test_invariant_cost.py \
 	tests/engine/test_zoo_vs_oracle.py tests/harness/test_engines.py \
 	tests/engine/test_batch_invariant.py::test_batch_invariant_mode_gives_the_same_bits_in_every_schedule \

@@ -3,7 +3,8 @@ token budget, max_num_seqs, K/V cache size); the vendored engine must match the 
 
 A failure prints the seed (hypothesis reports the falsifying `seed=`, and the message says it); replay it alone with
 `BAMBA_FUZZ_SEED=N pytest tests/engine/test_fuzz_schedules.py -k replay`.
-200 examples in CI (`make test-slow`); BAMBA_FUZZ_EXAMPLES overrides the count.
+200 examples in CI (`make test-slow`), in two shards of 100 (odd and even seeds) that pytest-xdist runs side by
+side; BAMBA_FUZZ_EXAMPLES overrides the total.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.helpers import random_bamba_checkpoint
 FUZZ_MODEL = dict(num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2,
                   mamba_chunk_size=8, vocab_size=97)
 EXAMPLES = int(os.environ.get("BAMBA_FUZZ_EXAMPLES", "200"))
+SHARDS = 2             # one fuzz run is ~8 minutes of one core: in shards, xdist's workers share it
 REPLAY_SEEDS = [0, 1, 2] + ([int(os.environ["BAMBA_FUZZ_SEED"])] if os.environ.get("BAMBA_FUZZ_SEED") else [])
 
 
@@ -64,11 +66,12 @@ def check_schedule(seed: int, oracle: Oracle) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+@pytest.mark.parametrize("shard", range(SHARDS))
+@settings(max_examples=-(-EXAMPLES // SHARDS), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(seed=st.integers(min_value=0, max_value=2**31 - 1))
-def test_fuzz_schedule_matches_oracle(seed, fuzz_oracle):
-    check_schedule(seed, fuzz_oracle)
+@given(drawn=st.integers(min_value=0, max_value=2**31 // SHARDS - 1))
+def test_fuzz_schedule_matches_oracle(shard, drawn, fuzz_oracle):
+    check_schedule(drawn * SHARDS + shard, fuzz_oracle)          # the shards' seeds are disjoint
 
 
 @pytest.mark.parametrize("seed", REPLAY_SEEDS)

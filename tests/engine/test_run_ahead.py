@@ -57,7 +57,12 @@ def _drive(engine: LLMEngine, requests, arrivals, keep_rows_id: str | None,
 CASES = [("arrivals", None), ("arrivals", "r1"), ("preemption", "p2")]
 
 
-@pytest.mark.parametrize("name, keep_rows_id", CASES)
+# On the CPU the first case runs in make test; the two others (~30 s each under the interpreter) under `slow` (in CI's
+# share of it), and all three on CUDA in make test-gpu.
+CPU_CASES = [pytest.param(*case, marks=[pytest.mark.slow] if case[1] else []) for case in CASES]
+
+
+@pytest.mark.parametrize("name, keep_rows_id", CPU_CASES)
 def test_run_ahead_returns_what_the_synchronous_engine_returns(name, keep_rows_id, monkeypatch):
     _compare(name, keep_rows_id, monkeypatch, "cpu")
 

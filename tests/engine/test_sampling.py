@@ -61,6 +61,7 @@ def _engine(**options) -> LLMEngine:
     return LLMEngine(TINY, dtype="float32", **{"max_num_seqs": 4, "max_num_batched_tokens": 24, **options})
 
 
+@pytest.mark.slow      # ~100 engine steps under the interpreter, 150 s of make test's 2 cores: in CI's share of test-slow
 def test_engine_draws_are_reproducible_and_carry_the_models_logprobs():
     # Three requests sampled at T = 1.5 beside a greedy one, twice (the same draws), then each alone with a larger
     # budget (other batches, other chunking: the same draws); a drawn token's logprob is the model's, as the
