@@ -1,7 +1,8 @@
 """Fuzz: hypothesis draws a seed; the seed draws a schedule (request lengths, tokens to generate, arrival steps,
 token budget, max_num_seqs, K/V cache size); the vendored engine must match the fp64 oracle on it.
 
-A failure prints the seed (hypothesis reports the falsifying `seed=`, and the message says it); replay it alone with
+A failure prints the seed (the assertion message says it; hypothesis reports `shard` and `drawn`, the seed being
+drawn·2 + shard); replay it alone with
 `BAMBA_FUZZ_SEED=N pytest tests/engine/test_fuzz_schedules.py -k replay`.
 200 examples in CI (`make test-slow`), in two shards of 100 (odd and even seeds) that pytest-xdist runs side by
 side; BAMBA_FUZZ_EXAMPLES overrides the total.
