@@ -49,14 +49,15 @@ test: $(STAMP)
 	$(PYTEST_CPU) --durations=20 -m "not gpu and not slow" tests
 
 # SLOW_CI=1 (.ci/run): CI's share of it. Measured 2026-12-07 on 2 cores, test-slow is 3,700 worker-seconds (31 min);
-# CI leaves out 2,530 of them: the tiny model's slow scenarios (one- and two-token budgets, whose boundary events the
+# CI leaves out 2,700 of them: the tiny model's slow scenarios (one- and two-token budgets, whose boundary events the
 # budget-3 case of make test also produces; a long decode; 64 requests through 8 slots; a bf16 SSM state), two of the
 # three batch-invariant schedule tests (the cheapest, alone / together / in pieces, stays), the invariant-cost bench's
 # test, the config zoo's matrix and tests/harness/test_engines.py's (make test runs one scenario of each zoo model and
-# the engines' fast cases). Schedule fuzzing (480 s alone), tp/pp, worker processes, the CPU graph runner, run-ahead
-# and sampling stay: 29 tests, 14 min on 2 cores (2026-12-07).
+# the engines' fast cases), and the 20-request graph workloads on the CPU (165 s; make test runs the CPU graph runner
+# through its NaN-padding, Granite-expert, run-ahead and sampling tests, test-gpu these workloads on CUDA). Schedule
+# fuzzing (480 s alone), tp/pp, worker processes, run-ahead and sampling stay: 26 tests, about 12 min on 2 cores.
 SLOW_CI_LEAVE_OUT := tests/engine/test_vendored_vs_oracle.py tests/bench/test_invariant_cost.py \
-	tests/engine/test_zoo_vs_oracle.py tests/harness/test_engines.py \
+	tests/engine/test_zoo_vs_oracle.py tests/harness/test_engines.py tests/engine/test_cudagraph.py \
 	tests/engine/test_batch_invariant.py::test_batch_invariant_mode_gives_the_same_bits_in_every_schedule \
 	tests/engine/test_batch_invariant.py::test_the_default_mode_differs_somewhere_and_both_compute_the_same_model \
 	tests/engine/test_batch_invariant.py::test_graphs_give_the_eager_bits
