@@ -206,13 +206,17 @@ class Budget:
     every position, reference_error the reference's largest error over the workload; 0: the baseline is exact for
     this comparison (fp64 against fp64) and the budget is atol alone. The quantile rule (BUDGET_RULES): at position
     p of request r, k · max(floor, positions[r][p-1]) + atol, floor a high quantile of the reference's per-position
-    errors; a position the rows do not hold gets the max rule's budget."""
+    errors; a position the rows do not hold gets the max rule's budget. Under either rule a position downstream of
+    a routing near-tie (an MoE token whose last chosen expert and best one left out are closer than the candidate's
+    dtype can tell apart) also gets routing[r][p-1]: what trading those experts moves its logprob (harness/routing.py).
+    """
 
     k: float
     atol: float
     reference_error: float = 0.0
     floor: float | None = None                            # the quantile rule's floor
     positions: dict[str, list[float]] | None = None       # the quantile rule's per-position reference errors
+    routing: dict[str, list[float]] | None = None         # per-position routing near-tie allowances
 
     @property
     def value(self) -> float:
@@ -227,8 +231,13 @@ class Budget:
         """The budget of one position (1-based, as RequestComparison.positions)."""
         row = None if self.positions is None else self.positions.get(request_id)
         if row is None or not 1 <= position <= len(row) or math.isnan(row[position - 1]):
-            return self.value
-        return self.k * max(self.floor, row[position - 1]) + self.atol
+            return self.value + self.allowance(request_id, position)
+        return self.k * max(self.floor, row[position - 1]) + self.atol + self.allowance(request_id, position)
+
+    def allowance(self, request_id: str, position: int) -> float:
+        """The routing near-tie allowance of one position (0 where there is none)."""
+        row = None if self.routing is None else self.routing.get(request_id)
+        return row[position - 1] if row is not None and 1 <= position <= len(row) else 0.0
 
 
 @dataclass(frozen=True)
@@ -455,6 +464,9 @@ def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequen
     meta = {"k": budget.k, "atol": budget.atol, "reference_error": budget.reference_error, "budget": budget.value,
             "budget_rule": budget.rule, "baseline_digest": results_digest([base[r.request_id] for r in requests
                                                                              if r.request_id in base])}
+    if budget.routing is not None:
+        meta["routing_allowance"] = {"positions": sum(1 for row in budget.routing.values() for a in row if a > 0),
+                                     "largest": max((a for row in budget.routing.values() for a in row), default=0.0)}
     if budget.positions is not None:
         meta["budget_floor"] = budget.k * budget.floor + budget.atol
         ratios = [d / budget.at(c.request_id, p) for c in comparisons for p, d in zip(c.positions, c.deltas)]

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from reference.checkpoint import parameter_count
+from reference.config import ModelConfig
 
 from .adapters import get_engine
 from .adapters.reference import ReferenceEngine
@@ -30,6 +31,7 @@ from .compare import (ATOL, BUDGET_QUANTILE, BUDGET_RULES, DEFAULT_K, EXCESS_Z, 
                       compare_runs, position_classes)
 from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
 from .invariance import FIELDS, first_difference
+from .routing import has_routed_experts, routing_ties
 from .scenarios import Configuration, PromptSource, Scenario, batching_shapes
 from .schedule import RequestShape, plan_options, plan_steps
 
@@ -121,6 +123,9 @@ class Oracle:
         self._errors: dict[tuple, list[float]] = {}
         self._usage: dict[tuple, dict] = {}          # (dtype, ssm_state_dtype) -> what describe() reports of it
         self._device_peak: int | None = None
+        self._routing: dict[tuple, list[float]] = {}
+        self.routing_notes: list[dict] = []
+        self._cfg: ModelConfig | None = None
 
     def weights_mode(self, dtype: torch.dtype = torch.float64) -> str:
         """"streamed" when the reference in `dtype` would not fit memory_limit resident (weights x ROOM_FACTOR)."""
@@ -234,17 +239,43 @@ class Oracle:
             ssm_state_dtype = None            # the budget is calibrated on the run dtype's error alone
         if dtype == torch.float64 and ssm_state_dtype is None:
             return Budget(k, atol)
+        judged = requests
         if sum(len(r.prompt) - 1 + r.max_new_tokens for r in requests) < MIN_BUDGET_POSITIONS:
             requests = [*requests, *calibration]
         rows = self._error_rows(requests, dtype, ssm_state_dtype)
+        routing = self.routing_allowance(judged, dtype, k=k)
         maxima = [max(r) if r else float("nan") for r in rows]
         largest = max((m for m in maxima if not math.isnan(m)), default=0.0)
         if rule == "max":
-            return Budget(k, atol, largest)
+            return Budget(k, atol, largest, routing=routing)
         errors = sorted(e for r in rows for e in r if not math.isnan(e))
         floor = errors[min(len(errors) - 1, math.ceil(self.budget_quantile * len(errors)) - 1)] if errors else 0.0
         return Budget(k, atol, largest, floor=floor,
-                      positions={r.request_id: list(row) for r, row in zip(requests, rows)})
+                      positions={r.request_id: list(row) for r, row in zip(requests, rows)}, routing=routing)
+
+    def routing_allowance(self, requests: Sequence[Request], dtype: torch.dtype, *,
+                          k: float = DEFAULT_K) -> dict[str, list[float]] | None:
+        """Per request, each position's routing near-tie allowance for a candidate in `dtype` (harness/routing.py),
+        on the oracle's teacher-forced sequences; None for a model without routed experts, an fp64 candidate or a
+        16-bit one (whose twin trades experts as often as the candidate: the module docstring of harness/routing.py).
+        Memoised per request and dtype; self.routing_notes keeps what each workload found."""
+        if dtype == torch.float64 or dtype.itemsize < 4 or not has_routed_experts(self.cfg):
+            return None
+        base = self.results(requests)
+        missing = [(r, b) for r, b in zip(requests, base) if (dtype, k, _key(r)) not in self._routing]
+        if missing:
+            sequences = [list(r.prompt) + list(b.output_ids) for r, b in missing]
+            found = routing_ties(self.engine(torch.float64).model, self.engine(dtype).model, sequences, k=k)
+            for (req, _), row in zip(missing, found.allowance):
+                self._routing[dtype, k, _key(req)] = row
+            self.routing_notes.append(found.describe())
+        return {r.request_id: self._routing[dtype, k, _key(r)] for r in requests}
+
+    @property
+    def cfg(self) -> ModelConfig:
+        if self._cfg is None:
+            self._cfg = ModelConfig.from_json(self.checkpoint / "config.json")
+        return self._cfg
 
     def _error_rows(self, requests: Sequence[Request], dtype: torch.dtype,
                     ssm_state_dtype: str | None) -> list[list[float]]:
@@ -689,7 +720,9 @@ def check_against(engine: str | type[Engine], scenario: Scenario, *, against: st
     calibration = calibration_requests(oracle, source, top_k=top_k)
     own, theirs = (oracle.budget(requests, d, k=k, atol=atol, ssm_state_dtype=options.ssm_state_dtype,
                                  calibration=calibration) for d in (dtype, against_dtype))
-    budget = Budget(k, own.atol + theirs.atol, own.reference_error + theirs.reference_error)
+    routing = {rid: [a + b for a, b in zip(own.routing.get(rid, []), theirs.routing.get(rid, []))]
+               for rid in own.routing} if own.routing and theirs.routing else (own.routing or theirs.routing)
+    budget = Budget(k, own.atol + theirs.atol, own.reference_error + theirs.reference_error, routing=routing)
     with _open(engine_cls, oracle.checkpoint, dtype=dtype, device=device, options=options) as candidate:
         reasons = candidate.cannot_run(requests)
         if reasons:

@@ -94,6 +94,11 @@ class BambaReference:
         self.allow_long_context = allow_long_context
         self.norm_group_size = cfg.gated_norm_group_size if gated_norm == "grouped" else cfg.mamba_inner
         self.scan_dtype = dtype if scan_dtype is None else scan_dtype
+        # Routing probes (harness/routing.py): layer -> (T,) bool of the packed tokens of the next call whose last
+        # chosen expert is traded for the best one left out (moe_ref's swap); when a dict, layer -> the router
+        # logits (T, E) of each call are appended to it.
+        self.route_swaps: dict[int, torch.Tensor] = {}
+        self.router_record: dict[int, list[torch.Tensor]] | None = None
         if isinstance(weights, LazyWeights):
             self.w: _Resident | _Streamed = _Streamed(weights, dtype, self.device)
         else:
@@ -261,7 +266,9 @@ class BambaReference:
         if self.cfg.num_local_experts:
             out = out + moe_ref(x, self.w[p + "block_sparse_moe.router.layer.weight"],
                                 self.w[p + "block_sparse_moe.input_linear.weight"],
-                                self.w[p + "block_sparse_moe.output_linear.weight"], top_k=self.cfg.num_experts_per_tok)
+                                self.w[p + "block_sparse_moe.output_linear.weight"], top_k=self.cfg.num_experts_per_tok,
+                                swap=self.route_swaps.get(i),
+                                record=None if self.router_record is None else self.router_record.setdefault(i, []))
         return out
 
     # ---- conveniences built on forward --------------------------------------------------------------------

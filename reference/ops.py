@@ -367,18 +367,29 @@ def swiglu_ref(x: torch.Tensor, gate_w, up_w, down_w, gate_b=None, up_b=None, do
 
 
 def moe_ref(x: torch.Tensor, router_w: torch.Tensor, experts_in: torch.Tensor, experts_out: torch.Tensor, *,
-            top_k: int) -> torch.Tensor:
+            top_k: int, swap: torch.Tensor | None = None, record: list | None = None) -> torch.Tensor:
     """GraniteMoeHybrid's routed experts. x (T, D); router_w (E, D); experts_in (E, 2I, D): each expert's gate rows,
     then its up rows; experts_out (E, D, I).
 
     Each token goes to the top_k experts by router logit (logits in at least fp32, as engines compute them; equal
     logits go to the lower expert index), weighted by the softmax of those top_k logits alone (the weights of a token
     sum to 1; the other experts' logits do not enter), and each expert is a SwiGLU: out_e(silu(gate_e·x) · up_e·x).
+
+    swap (T,) bool, optional: those tokens go instead to the experts ranked 1..top_k-1 and top_k + 1 (the last
+    chosen expert traded for the best one left out), as a computation whose rounding reversed those two logits
+    would route them (harness/routing.py). record, optional: a list the router logits (T, E) are appended to.
     """
     wide = torch.promote_types(x.dtype, torch.float32)
     logits = F.linear(x.to(wide), router_w.to(wide))                                # (T, E)
+    if record is not None:
+        record.append(logits)
     ranked = torch.sort(logits, dim=-1, descending=True, stable=True)               # stable: ties by lower index
-    chosen, weights = ranked.indices[:, :top_k], torch.softmax(ranked.values[:, :top_k], dim=-1).to(x.dtype)
+    indices, values = ranked.indices, ranked.values
+    if swap is not None and bool(swap.any()):
+        order = torch.arange(indices.shape[-1], device=indices.device).repeat(indices.shape[0], 1)
+        order[swap, top_k - 1], order[swap, top_k] = top_k, top_k - 1
+        indices, values = indices.gather(1, order), values.gather(1, order)
+    chosen, weights = indices[:, :top_k], torch.softmax(values[:, :top_k], dim=-1).to(x.dtype)
     out = torch.zeros_like(x)                                                       # (T, D)
     for e in range(router_w.shape[0]):
         tokens, slot = (chosen == e).nonzero(as_tuple=True)                         # who picked expert e, as which

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # in how it computes the truth or its budget). Never in tests/ or the mutation machinery itself.
 # An adapter of an engine outside this repository (llama.cpp's) is also the system under test: what the harness
 # judges is what it feeds the engine and reads back.
-MUTABLE = ("vendored/", "reference/", "harness/compare.py", "harness/runner.py", "harness/adapters/llamacpp")
+MUTABLE = ("vendored/", "reference/", "harness/compare.py", "harness/runner.py", "harness/routing.py",
+           "harness/adapters/llamacpp")
 # A peer's kernels (`ops = ...`): its vendored copy, fetched by `make fetch-peers` into the git-ignored .peers.
 PEER_MUTABLE = (".peers/vendor/",)
 MUTANTS = load_all(DEFS)
