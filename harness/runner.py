@@ -321,10 +321,11 @@ class Oracle:
         return NoiseFloor(dtype_name(dtype), errors, classes, atol=atol, z_limit=self.excess_z)
 
     def save_cache(self, path: str | Path) -> None:
-        """Write every result and error computed so far, so that another process (a mutant's, say) judges against
+        """Write every result, error and routing allowance computed so far, so that another process (a mutant's, say) judges against
         the same oracle without loading the fp64 model again (load_cache)."""
         torch.save({"checkpoint": str(self.checkpoint.resolve()), "gated_norm": self.gated_norm,
-                    "results": self._results, "errors": self._errors}, path)
+                    "results": self._results, "errors": self._errors, "routing": self._routing,
+                    "routing_notes": self.routing_notes}, path)
 
     def load_cache(self, path: str | Path) -> None:
         """Adopt the results and errors save_cache wrote for this checkpoint and gated norm (ValueError otherwise)."""
@@ -334,6 +335,8 @@ class Oracle:
                              f"not of {self.checkpoint.resolve()} ({self.gated_norm})")
         self._results.update(cache["results"])
         self._errors.update(cache["errors"])
+        self._routing.update(cache.get("routing", {}))
+        self.routing_notes += [n for n in cache.get("routing_notes", []) if n not in self.routing_notes]
 
     def close(self) -> None:
         self._note_usage()

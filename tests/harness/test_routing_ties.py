@@ -144,3 +144,19 @@ def test_the_oracle_allows_nothing_for_fp64_or_a_model_without_experts(models, s
     assert oracle.routing_notes[-1]["dtype"] == "float32"
     bamba = Oracle("fixtures/tiny-bamba")
     assert bamba.routing_allowance([Request("r", (1, 2, 3), 0)], torch.float32) is None
+
+
+def test_a_mutant_worker_reads_the_allowance_from_the_oracle_cache(models, sequences, tmp_path):
+    """mutants.scale's workers judge on the seed-0 oracle's cache without loading a reference model: the fp32
+    budget of a Granite workload, its routing allowance included, must come from that cache."""
+    from mutants.scale import cache_only_oracle
+
+    oracle = models[0]
+    request = Request("c", tuple(sequences[0][:20]), 4)
+    expected = oracle.budget([request], torch.float32)
+    assert expected.routing is not None and len(expected.routing["c"]) == 23
+    oracle.save_cache(tmp_path / "cache.pt")
+    cached = cache_only_oracle(Oracle)(GRANITE)
+    cached.load_cache(tmp_path / "cache.pt")
+    assert cached.budget([request], torch.float32) == expected
+    assert not cached._engines
