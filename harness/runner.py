@@ -321,14 +321,14 @@ class Oracle:
         return NoiseFloor(dtype_name(dtype), errors, classes, atol=atol, z_limit=self.excess_z)
 
     def save_cache(self, path: str | Path) -> None:
-        """Write every result, error and routing allowance computed so far, so that another process (a mutant's, say) judges against
-        the same oracle without loading the fp64 model again (load_cache)."""
+        """Write every result, error and routing allowance computed so far, so that another process (a mutant's,
+        say) judges against the same oracle without loading the fp64 model again (load_cache)."""
         torch.save({"checkpoint": str(self.checkpoint.resolve()), "gated_norm": self.gated_norm,
                     "results": self._results, "errors": self._errors, "routing": self._routing,
                     "routing_notes": self.routing_notes}, path)
 
     def load_cache(self, path: str | Path) -> None:
-        """Adopt the results and errors save_cache wrote for this checkpoint and gated norm (ValueError otherwise)."""
+        """Adopt what save_cache wrote for this checkpoint and gated norm (ValueError otherwise)."""
         cache = torch.load(path, weights_only=False)
         if (cache["checkpoint"], cache["gated_norm"]) != (str(self.checkpoint.resolve()), self.gated_norm):
             raise ValueError(f"{path}: an oracle cache of {cache['checkpoint']} ({cache['gated_norm']} gated norm), "
