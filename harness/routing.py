@@ -10,8 +10,8 @@ docs/scale.md). The judge then fails a correct engine at that position.
 
 In 16-bit dtypes the twin's router error is so large (tiny-granite in bf16: 0.46, against fp32's 2.6e-6) that
 most tokens are such ties (71% of the token-layers of four random prompts): there the budget, set by the twin's
-own largest error, already spans the trades, and no allowance is computed. For a candidate in fp32 on a model with routed experts, the budget of every position
-gets an allowance for each near-tie upstream of it:
+own largest error, already spans the trades, and no allowance is computed. For a candidate in fp32 on a model
+with routed experts, the budget of every position gets an allowance for each near-tie upstream of it:
 
 1. The fp64 oracle and the reference in the candidate's dtype score each request's teacher-forced sequence in one
    piece, recording every MoE layer's router logits. The dtype's router error e is the largest |logit_d − logit_64|
