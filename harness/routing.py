@@ -58,18 +58,11 @@ class RoutingTies:
                 "largest_allowance": max((a for row in self.allowance for a in row), default=0.0)}
 
 
-def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced logprobs of ids[1:] (T-1,) in fp64 on the CPU."""
-    logits, _ = model.forward(ids)
-    logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
-    return logprobs.gather(1, ids[1:, None].to(logprobs.device))[:, 0].cpu()
-
-
 def _recorded(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Logprobs and each MoE layer's router logits (T, E) of one sequence scored in one piece."""
     model.router_record = {}
     try:
-        logprobs = _logprobs(model, ids)
+        logprobs = model.prompt_logprobs(ids).double().cpu()
         record = {layer: torch.cat(calls).double().cpu() for layer, calls in model.router_record.items()}
     finally:
         model.router_record = None
@@ -108,7 +101,7 @@ def routing_ties(oracle_model, twin_model, sequences: Sequence[Sequence[int]], *
         mask[token] = True
         oracle_model.route_swaps = {layer: mask}
         try:
-            traded = _logprobs(oracle_model, ids[s])
+            traded = oracle_model.prompt_logprobs(ids[s]).double().cpu()
         finally:
             oracle_model.route_swaps = {}
         moved = (traded - base[s]).abs()
@@ -116,7 +109,3 @@ def routing_ties(oracle_model, twin_model, sequences: Sequence[Sequence[int]], *
         allowance[s] += moved
     return RoutingTies(str(twin_model.dtype).removeprefix("torch."), error, limit, ties,
                        [row.tolist() for row in allowance])
-
-
-def has_routed_experts(cfg) -> bool:
-    return bool(getattr(cfg, "granite", False) and getattr(cfg, "num_local_experts", 0))

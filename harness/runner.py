@@ -31,7 +31,7 @@ from .compare import (ATOL, BUDGET_QUANTILE, BUDGET_RULES, DEFAULT_K, EXCESS_Z, 
                       compare_runs, position_classes)
 from .engine import Engine, EngineOptions, Request, RequestResult, UnsupportedOptions, dtype_name, parse_dtype
 from .invariance import FIELDS, first_difference
-from .routing import has_routed_experts, routing_ties
+from .routing import routing_ties
 from .scenarios import Configuration, PromptSource, Scenario, batching_shapes
 from .schedule import RequestShape, plan_options, plan_steps
 
@@ -137,10 +137,11 @@ class Oracle:
     def describe(self) -> dict:
         """What report.json says of the reference models this oracle ran: the cap, and for each (the fp64 oracle,
         the budget's twins) its dtype, whether resident or streamed, its weights' full size and the most bytes of
-        weights it held at once; on a GPU the peak device memory while they ran (the whole process's)."""
+        weights it held at once; on a GPU the peak device memory while they ran (the whole process's); and each
+        fp32 routing near-tie search (routing_allowance): the router error, threshold, ties found, widest allowance."""
         self._note_usage()
         return {"memory_limit_bytes": self.memory_limit, "device_peak_bytes": self._device_peak,
-                "models": [dict(u) for u in self._usage.values()]}
+                "models": [dict(u) for u in self._usage.values()], "routing": list(self.routing_notes)}
 
     def _note_usage(self) -> None:
         for key, engine in self._engines.items():
@@ -259,7 +260,7 @@ class Oracle:
         on the oracle's teacher-forced sequences; None for a model without routed experts, an fp64 candidate or a
         16-bit one (whose twin trades experts as often as the candidate: the module docstring of harness/routing.py).
         Memoised per request and dtype; self.routing_notes keeps what each workload found."""
-        if dtype == torch.float64 or dtype.itemsize < 4 or not has_routed_experts(self.cfg):
+        if dtype == torch.float64 or dtype.itemsize < 4 or not self.cfg.num_local_experts:
             return None
         base = self.results(requests)
         missing = [(r, b) for r, b in zip(requests, base) if (dtype, k, _key(r)) not in self._routing]

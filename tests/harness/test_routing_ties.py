@@ -65,10 +65,9 @@ def sequences(models):
 def _logprobs(model, ids, swaps=None):
     model.route_swaps = swaps or {}
     try:
-        logits, _ = model.forward(torch.tensor(ids))
+        return model.prompt_logprobs(ids)
     finally:
         model.route_swaps = {}
-    return torch.log_softmax(logits[:-1].double(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
 def test_the_allowance_is_the_sum_of_what_each_trade_moves(models, sequences):
@@ -141,7 +140,7 @@ def test_the_oracle_allows_nothing_for_fp64_or_a_model_without_experts(models, s
     assert oracle.routing_allowance([request], torch.bfloat16) is None      # 16-bit: the twin's error spans trades
     rows = oracle.routing_allowance([request], torch.float32)
     assert list(rows) == ["r"] and len(rows["r"]) == len(sequences[1]) - 1
-    assert oracle.routing_notes[-1]["dtype"] == "float32"
+    assert oracle.routing_notes[-1]["dtype"] == "float32" and oracle.describe()["routing"] == oracle.routing_notes
     bamba = Oracle("fixtures/tiny-bamba")
     assert bamba.routing_allowance([Request("r", (1, 2, 3), 0)], torch.float32) is None
 
