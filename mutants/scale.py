@@ -22,8 +22,9 @@ false-failure rate on the same workload (`make mutants-scale`, on a CUDA machine
    the clean engine's seed-0 runs did not change what runs on the GPU for this workload: "not live" in that dtype;
    one that differs only where the clean engine's two runs differ too is "undetermined". A mutant that needs more
    GPUs than there are is listed so.
-4. Workers start only while a memory gate (MemoryGate: estimates in multiples of the checkpoint's size, measured)
-   leaves room on the GPU, so that processes sharing it do not run each other out of memory. A mutant's worker (and
+4. Workers start only while a memory gate (MemoryGate: estimates in multiples of the checkpoint's size until
+   measured: an oracle process by clean seed 0's peak, an engine process by the repeat of seed 0's) leaves room on
+   the GPU, so that processes sharing it do not run each other out of memory. A mutant's worker (and
    the repeat of seed 0) is admitted as an engine process and answers every oracle question from seed 0's cache; a
    run the cache cannot answer (a sampled scenario whose draws the mutant changed) stops it, and it is started
    again, its finished runs kept, as an oracle process.
@@ -117,17 +118,25 @@ class MemoryGate:
         return cls(GPU_MEMORY_SHARE * free)
 
     @contextmanager
-    def hold(self, need: float):
-        need = min(need, self.capacity)
+    def hold(self, need):
+        """Wait for room for `need` bytes (a number, or a function giving the current estimate: a worker waiting
+        is admitted on the estimate of when it starts, see recheck) and hold them while the block runs."""
+        current = need if callable(need) else (lambda: need)
         with self._cond:
-            self._cond.wait_for(lambda: self.used + need <= self.capacity)
-            self.used += need
+            self._cond.wait_for(lambda: self.used + min(current(), self.capacity) <= self.capacity)
+            taken = min(current(), self.capacity)
+            self.used += taken
         try:
             yield
         finally:
             with self._cond:
-                self.used -= need
+                self.used -= taken
                 self._cond.notify_all()
+
+    def recheck(self) -> None:
+        """The estimates changed (a measurement replaced one): waiting workers look again."""
+        with self._cond:
+            self._cond.notify_all()
 ENGINE_DIRS = ("vendored/",)
 
 
@@ -735,13 +744,24 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
                   f"was {needs['oracle'] / 1e9:.1f} GB)", flush=True)
             needs["oracle"] = measured
 
+    def measured_engine_need():
+        """The repeat of seed 0 ran every scenario and dtype as an engine process answered from the cache: its peak
+        is what a mutant's engine process takes (at real width far below the size-based estimate, so that several
+        run side by side)."""
+        measured = measured_need(out / REPEAT)
+        if measured is not None:
+            print(f"memory gate: an engine process needs {measured / 1e9:.1f} GB (the repeat of seed 0's peak; the "
+                  f"estimate was {needs['engine'] / 1e9:.1f} GB)", flush=True)
+            needs["engine"] = measured
+            gate.recheck()
+
     def run(tree, results, log, *, need, **kwargs):
         """A worker (needing the memory of needs[need]), once the GPU has room for it, stopped at the deadline; -1
         (not started or stopped) once the deadline has passed. An engine worker judges against the oracle cache
         alone; should a run need the fp64 model, the worker stops and is started again (its finished runs kept) as
         an oracle process."""
         for need, cache_only in ([("engine", True), ("oracle", False)] if need == "engine" else [(need, False)]):
-            with gate.hold(needs[need]):
+            with gate.hold(lambda need=need: needs[need]):
                 left = args.timeout if deadline is None else min(args.timeout, int(deadline - time.monotonic()))
                 if left <= 0:
                     return -1
@@ -782,6 +802,7 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
         if not _complete(out / REPEAT, seeds=[0], **asked):
             statuses.append(run(ROOT, out / REPEAT, out / REPEAT.replace(".jsonl", ".log"), seeds=1,
                                 need="engine", cache=cache, save_cache=None, repeat=True))
+        measured_engine_need()
 
     def clean_group(first, count):
         results = out / _clean_file(first, count)

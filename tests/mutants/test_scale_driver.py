@@ -207,6 +207,69 @@ def test_the_memory_gate_admits_workers_while_their_estimates_fit():
         pass
 
 
+def test_a_waiting_worker_is_admitted_on_the_estimate_of_when_it_starts():
+    """A worker waits on a function of the current estimate: lowered by a measurement while it waits (recheck), it
+    starts beside the running one at once, and holds what it was admitted on, not what the estimate became."""
+    import threading
+    import time
+
+    from mutants.scale import MemoryGate
+
+    gate, need, started = MemoryGate(100.0), {"engine": 80.0}, threading.Event()
+
+    def waiter():
+        with gate.hold(lambda: need["engine"]):
+            started.set()
+            need["engine"] = 50.0                         # changed while held: what it gives back is what it took
+            time.sleep(0.1)
+
+    with gate.hold(lambda: need["engine"]):               # 80 of 100 held: another 80 cannot start
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        assert not started.wait(0.2)
+        need["engine"] = 20.0                             # the measurement
+        gate.recheck()
+        assert started.wait(2)                            # 80 + 20 fit
+        assert gate.used == 100.0
+    thread.join(2)
+    assert gate.used == 0.0
+
+
+def test_mutants_are_admitted_on_the_repeat_of_seed_0s_measured_peak(tmp_path, monkeypatch):
+    """The repeat of seed 0 runs every scenario as an engine process on the cache: once it has finished, its peak
+    replaces the size-based estimate of a mutant's engine process (at real width several then share the GPU)."""
+    import json
+    from types import SimpleNamespace
+
+    import mutants.run
+    from mutants import scale
+
+    held = []
+    real_hold = scale.MemoryGate.hold
+
+    def spy_hold(self, need):
+        held.append(need())
+        return real_hold(self, need)
+
+    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, **kwargs):
+        if save_cache is not None:
+            save_cache.write_bytes(b"cache")
+        row = dict(scenario="s", dtype="bfloat16", seed=seed_start, verdict="PASS")
+        if results.name == scale.REPEAT:
+            row["peak_gpu_reserved_gb"] = 1e-8                # 10 bytes
+        results.write_text(json.dumps(row) + "\n" + json.dumps(scale.DONE) + "\n")
+        return 0
+
+    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    monkeypatch.setattr(scale.MemoryGate, "hold", spy_hold)
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    args, out = _fake_measurement(tmp_path, jobs=1)       # one at a time: the repeat first, then each mutant
+    judged = [SimpleNamespace(name=f"m{i}", apply=lambda tree: None) for i in range(2)]
+    assert set(scale._measure(args, out, judged, [])) == {0}
+    measured = (1e-8 * scale.MEASURED_MARGIN + scale.CONTEXT_GB) * 1e9
+    assert held == [scale.ORACLE_PROCESS_X * 100, scale.ENGINE_PROCESS_X * 100, measured, measured]
+
+
 def test_an_oracle_process_is_admitted_on_its_measured_peak_once_there_is_one(tmp_path):
     import json
 
@@ -307,7 +370,7 @@ def test_a_mutant_worker_the_cache_cannot_answer_runs_again_as_an_oracle_process
     real_hold = scale.MemoryGate.hold
 
     def spy_hold(self, need):
-        held.append(need)
+        held.append(need() if callable(need) else need)
         return real_hold(self, need)
 
     def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, cache_only=False, **kwargs):
