@@ -469,6 +469,9 @@ def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequen
                                      "largest": max((a for row in budget.routing.values() for a in row), default=0.0)}
     if budget.positions is not None:
         meta["budget_floor"] = budget.k * budget.floor + budget.atol
+    if budget.positions is not None or budget.routing is not None:
+        # each position has its own budget (the quantile rule's, or one widened by a routing near-tie): what a
+        # position's |Δ| is against that budget, not against `budget` alone, which a trade at a tie exceeds by far
         ratios = [d / budget.at(c.request_id, p) for c in comparisons for p, d in zip(c.positions, c.deltas)]
         meta["max_delta_over_position_budget"] = max(ratios, default=0.0)
     if noise is not None:

@@ -124,6 +124,10 @@ def test_the_judge_allows_a_trade_at_a_near_tie_and_nothing_else(models, sequenc
     report = judge(candidate, allowed)
     assert report.passed, report.failures[0].message() if report.failures else ""
     assert report.meta["routing_allowance"]["positions"] > 0
+    # what the report says of the worst position is against its widened budget (a PASS is at most 1 of it), not
+    # against the budget of a position without a tie, which the trade exceeds by far
+    assert report.max_delta / report.meta["budget"] > 10
+    assert 0 < report.meta["max_delta_over_position_budget"] <= 1
     # The same error before any tie (first tie at `first`): no allowance there, so it fails.
     first = min(t for _, _, t in found.ties)
     assert first >= 2
@@ -131,6 +135,7 @@ def test_the_judge_allows_a_trade_at_a_near_tie_and_nothing_else(models, sequenc
     shifted[first - 2] += float(moved.max())
     report = judge(replace(base, prompt_logprobs=shifted), allowed)
     assert not report.passed and report.failures[0].position == first - 1
+    assert report.meta["max_delta_over_position_budget"] > 1
 
 
 def test_the_oracle_allows_nothing_for_fp64_or_a_model_without_experts(models, sequences):
