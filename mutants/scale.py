@@ -242,7 +242,9 @@ def worker(args) -> int:
                                    excess_positions={k: v["positions"] for k, v in excess.items() if v["judged"]},
                                    excess_z={k: v.get("paired_z") for k, v in excess.items() if v["judged"]},
                                    excess_over_ratio=sorted(k for k, v in excess.items() if v.get("over_ratio")),
-                                   digest=_digest(report))
+                                   digest=_digest(report),
+                                   **({"routing_allowance": report.meta["routing_allowance"]}
+                                      if "routing_allowance" in report.meta else {}))
                         if "budget_floor" in report.meta:
                             row["budget_floor"] = report.meta["budget_floor"]
                         if "rules" in report.meta:            # every rule's verdict on this one run (also_rules)

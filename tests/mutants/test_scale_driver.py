@@ -634,3 +634,20 @@ def test_the_report_reads_clean_seeds_that_an_earlier_call_grouped_otherwise(tmp
     assert "| s | bfloat16 | 4 | 0 |" in (tmp_path / "table.md").read_text()
     assert main(args + ["--clean-seeds", "5"]) == 1
     assert "Incomplete (run again with --resume): clean-seeds1-4.jsonl" in (tmp_path / "table.md").read_text()
+
+
+def test_a_workers_fp32_row_on_a_model_with_routed_experts_carries_its_routing_allowance(tmp_path):
+    """The worker (what runs each clean seed and mutant) on tiny-granite in fp32: the row records the scenario's
+    routing near-tie search (how many positions it widened, by how much at most), which the judge used."""
+    import json
+
+    from mutants.scale import main
+
+    results = tmp_path / "rows.jsonl"
+    assert main(["--worker", "--checkpoint", "fixtures/tiny-granite", "--scenarios", "batching-together",
+                 "--dtypes", "float32", "--device", "cpu", "--results", str(results)]) == 0
+    row = json.loads(results.read_text().splitlines()[0])
+    assert row["verdict"] == "PASS" and row["dtype"] == "float32"
+    allowance = row["routing_allowance"]
+    assert allowance["positions"] >= 0 and allowance["largest"] >= 0.0
+    assert (allowance["positions"] == 0) == (allowance["largest"] == 0.0)
