@@ -730,7 +730,9 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
         scale.write_checkpoint(args.model, checkpoint, device=args.device)
     cache = out / "oracle-cache.pt"
     if not args.resume:
-        for stale in [*out.glob("*.jsonl"), *out.glob("*.log"), cache]:
+        # what an earlier measurement's workers wrote, and nothing else (a driver's log kept there, say, is the user's)
+        for stale in [*out.glob("clean-seed*.jsonl"), *out.glob("clean-seed*.log"), *out.glob("mutant-*.jsonl"),
+                      *out.glob("mutant-*.log"), cache]:
             stale.unlink(missing_ok=True)
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     gate = MemoryGate.for_device(args.device)

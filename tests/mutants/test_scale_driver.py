@@ -651,3 +651,33 @@ def test_a_workers_fp32_row_on_a_model_with_routed_experts_carries_its_routing_a
     allowance = row["routing_allowance"]
     assert allowance["positions"] >= 0 and allowance["largest"] >= 0.0
     assert (allowance["positions"] == 0) == (allowance["largest"] == 0.0)
+
+
+def test_a_fresh_measurement_clears_what_earlier_workers_wrote_and_nothing_else(tmp_path, monkeypatch):
+    """Without --resume the workers' results, logs and the oracle cache of an earlier measurement go; a file the
+    user keeps in --out (the driver's own log, where `... --out DIR >> DIR/driver.log` writes it) stays."""
+    import json
+    from types import SimpleNamespace
+
+    import mutants.run
+    from mutants import scale
+
+    seen = {}
+
+    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, **kwargs):
+        seen.setdefault("left", sorted(p.name for p in results.parent.iterdir()))
+        if save_cache is not None:
+            save_cache.write_bytes(b"cache")
+        results.write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=seed_start, verdict="PASS")) + "\n"
+                           + json.dumps(scale.DONE) + "\n")
+        return 0
+
+    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    args, out = _fake_measurement(tmp_path)
+    for name in ("clean-seed0.jsonl", "clean-seed0.log", "clean-seeds1-2.jsonl", scale.REPEAT, "mutant-m0.jsonl",
+                 "mutant-m0.log", "oracle-cache.pt", "driver.log", "notes.jsonl"):
+        (out / name).write_text("old\n")
+    scale._measure(args, out, [SimpleNamespace(name="m0", apply=lambda tree: None)], [])
+    assert seen["left"] == ["driver.log", "notes.jsonl"]
+    assert (out / "driver.log").read_text() == "old\n"
