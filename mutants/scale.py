@@ -174,6 +174,14 @@ def cache_only_oracle(oracle_class):
     return CacheOnlyOracle
 
 
+def _save_cache(oracle, path: Path) -> None:
+    """The oracle's cache, written whole or not at all (a worker stopped at the time limit mid-write leaves the last
+    one): seed 0 saves it after every run, so that --resume carries on from the last run, not from the start."""
+    part = path.with_name(path.name + ".part")
+    oracle.save_cache(part)
+    os.replace(part, path)
+
+
 def worker(args) -> int:
     from harness.cli import prepare_environment
 
@@ -273,6 +281,8 @@ def worker(args) -> int:
                     if torch.cuda.is_available():          # what the memory gate's estimates are checked against
                         row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
                         row["peak_gpu_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 2)
+                    if args.save_cache:   # before the row: a worker stopped later leaves a cache for every row
+                        _save_cache(oracle, Path(args.save_cache))
                     done[(seed, sid, dtype)] = row
                     out.write(json.dumps(row) + "\n")
                     out.flush()
@@ -280,7 +290,7 @@ def worker(args) -> int:
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
         if args.save_cache:
-            oracle.save_cache(args.save_cache)
+            _save_cache(oracle, Path(args.save_cache))
         if status == 0:
             out.write(json.dumps(DONE) + "\n")
     return status
@@ -732,7 +742,7 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
     if not args.resume:
         # what an earlier measurement's workers wrote, and nothing else (a driver's log kept there, say, is the user's)
         for stale in [*out.glob("clean-seed*.jsonl"), *out.glob("clean-seed*.log"), *out.glob("mutant-*.jsonl"),
-                      *out.glob("mutant-*.log"), cache]:
+                      *out.glob("mutant-*.log"), cache, cache.with_name(cache.name + ".part")]:
             stale.unlink(missing_ok=True)
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     gate = MemoryGate.for_device(args.device)

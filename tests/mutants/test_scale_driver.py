@@ -681,3 +681,45 @@ def test_a_fresh_measurement_clears_what_earlier_workers_wrote_and_nothing_else(
     scale._measure(args, out, [SimpleNamespace(name="m0", apply=lambda tree: None)], [])
     assert seen["left"] == ["driver.log", "notes.jsonl"]
     assert (out / "driver.log").read_text() == "old\n"
+
+
+def test_seed_0s_worker_stopped_after_a_run_leaves_the_cache_of_every_run_it_recorded(tmp_path, monkeypatch):
+    """Seed 0 saves the oracle cache after each run, before the run's row: a worker the time limit stops mid-way
+    leaves a cache that answers every recorded run (so --resume carries on instead of starting seed 0 again)."""
+    import json
+
+    import torch
+
+    import harness.runner
+    from harness.runner import Oracle
+    from harness.scenarios import PromptSource, build_scenarios
+    from mutants.scale import OracleNotCached, cache_only_oracle, main
+    from reference.config import ModelConfig
+
+    real, calls = harness.runner.check_scenario, []
+
+    def stopped_on_the_second(*args, **kwargs):
+        calls.append(args[1].id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("the time limit")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness.runner, "check_scenario", stopped_on_the_second)
+    results, cache = tmp_path / "clean-seed0.jsonl", tmp_path / "oracle-cache.pt"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--worker", "--checkpoint", "fixtures/tiny-bamba", "--scenarios", "batching-together,sampled-decode-T2",
+              "--dtypes", "float32", "--device", "cpu", "--results", str(results), "--save-cache", str(cache)])
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["scenario"] for r in rows] == ["batching-together"]        # no DONE: the worker did not finish
+    assert cache.is_file() and not cache.with_name(cache.name + ".part").exists()
+    monkeypatch.setattr(harness.runner, "check_scenario", real)
+    cached = cache_only_oracle(Oracle)("fixtures/tiny-bamba", device="cpu")
+    cached.load_cache(cache)
+    cfg = ModelConfig.from_dict(json.loads(open("fixtures/tiny-bamba/config.json").read()))
+    by_id = {s.id: s for s in build_scenarios(cfg)}
+    report = real("vendored", by_id["batching-together"], oracle=cached, source=PromptSource(cfg.vocab_size, seed=0),
+                  dtype=torch.float32, device="cpu")
+    assert report.passed and not cached._engines                        # answered from the cache alone
+    with pytest.raises(OracleNotCached):                                  # the run it was stopped in: not cached
+        real("vendored", by_id["sampled-decode-T2"], oracle=cached, source=PromptSource(cfg.vocab_size, seed=0),
+             dtype=torch.float32, device="cpu")
