@@ -201,7 +201,7 @@ def worker(args) -> int:
     rules = parse_rules(args.budget_rule)
     oracle = (cache_only_oracle(Oracle) if args.cache_only else Oracle)(
         args.checkpoint, device=args.device, budget_rule=rules[0], budget_quantile=args.budget_quantile,
-        also_rules=rules[1:])
+        also_rules=rules[1:], memory_limit=args.oracle_memory)
     if args.cache and Path(args.cache).is_file():
         oracle.load_cache(args.cache)
     results = Path(args.results)
@@ -250,7 +250,7 @@ def worker(args) -> int:
                                    excess_positions={k: v["positions"] for k, v in excess.items() if v["judged"]},
                                    excess_z={k: v.get("paired_z") for k, v in excess.items() if v["judged"]},
                                    excess_over_ratio=sorted(k for k, v in excess.items() if v.get("over_ratio")),
-                                   digest=_digest(report),
+                                   digest=_digest(report), oracle_weights=oracle.weights_mode(),
                                    **({"routing_allowance": report.meta["routing_allowance"]}
                                       if "routing_allowance" in report.meta else {}))
                         if "budget_floor" in report.meta:
@@ -336,10 +336,12 @@ def _over_budget(row: dict) -> float:
 def _run_worker(tree: Path, results: Path, log: Path, *, checkpoint: Path, scenarios: str, dtypes: str, seeds: int,
                 device: str, cache: Path | None, save_cache: Path | None, timeout: int, seed_start: int = 0,
                 stop_at_kill: bool = False, repeat: bool = False, cache_only: bool = False,
-                budget_rule: str, budget_quantile: float) -> int:
+                budget_rule: str, budget_quantile: float, oracle_memory: int | None = None) -> int:
     cmd = [sys.executable, "-m", "mutants.scale", "--worker", "--checkpoint", str(checkpoint), "--scenarios",
            scenarios, "--dtypes", dtypes, "--seeds", str(seeds), "--seed-start", str(seed_start), "--device", device,
            "--results", str(results), "--budget-rule", budget_rule, "--budget-quantile", repr(budget_quantile)]
+    if oracle_memory is not None:
+        cmd += ["--oracle-memory", str(oracle_memory)]
     if stop_at_kill:
         cmd.append("--stop-at-kill")
     if repeat:
@@ -640,6 +642,11 @@ def main(argv: list[str] | None = None) -> int:
                              "the others' table-RULE.md); keep one --out per choice")
     parser.add_argument("--budget-quantile", type=float, default=BUDGET_QUANTILE,
                         help="the quantile rule's floor (default %(default)s)")
+    parser.add_argument("--oracle-memory", default=None, metavar="SIZE",
+                        help="as compare's: a reference model (the fp64 oracle, a twin) whose weights with room for "
+                             "its activations exceed SIZE runs layer-streamed, so that a model whose fp64 weights do "
+                             "not fit the GPU beside the candidate (bamba9b-32layer on an H100) is judged; rows say "
+                             "which ran (oracle_weights)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per worker process")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for the whole measurement: no worker starts after it and running ones are "
@@ -651,6 +658,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: write the table, JSON and plot from what --out holds")
     args = parser.parse_args(argv)
+    if args.oracle_memory is not None:
+        from harness.cli import UsageError, parse_size
+
+        try:
+            args.oracle_memory = parse_size(args.oracle_memory)
+        except UsageError as err:
+            parser.error(str(err))
     if args.worker:
         return worker(args)
     parse_rules(args.budget_rule)
@@ -748,6 +762,8 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
     gate = MemoryGate.for_device(args.device)
     size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     needs = {"oracle": ORACLE_PROCESS_X * size, "engine": ENGINE_PROCESS_X * size}
+    if args.oracle_memory is not None:              # the reference models held within the cap, beside the candidate
+        needs["oracle"] = min(needs["oracle"], args.oracle_memory + ENGINE_PROCESS_X * size)
 
     def measured_oracle_need():
         """Seed 0's process held the fp64 oracle: its peak (per process, whatever else runs) is what another oracle
@@ -781,7 +797,8 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
                     return -1
                 status = _run_worker(tree, results, log, checkpoint=checkpoint, scenarios=args.scenarios,
                                      dtypes=args.dtypes, device=args.device, timeout=left, cache_only=cache_only,
-                                     budget_rule=args.budget_rule, budget_quantile=args.budget_quantile, **kwargs)
+                                     budget_rule=args.budget_rule, budget_quantile=args.budget_quantile,
+                                     oracle_memory=args.oracle_memory, **kwargs)
             if status != NEEDS_ORACLE:
                 return status
         return status

@@ -30,7 +30,7 @@ def _fake_measurement(tmp_path, **changes):
     (tmp_path / "out").mkdir()
     args = dict(model_dir=str(model), model="m", resume=False, time_limit=None, device="cpu", jobs=1,
                 scenarios="s", dtypes="bfloat16", clean_seeds=1, timeout=60, budget_rule="max",
-                budget_quantile=0.99)
+                budget_quantile=0.99, oracle_memory=None)
     return SimpleNamespace(**{**args, **changes}), tmp_path / "out"
 
 
@@ -723,3 +723,49 @@ def test_seed_0s_worker_stopped_after_a_run_leaves_the_cache_of_every_run_it_rec
     with pytest.raises(OracleNotCached):                                  # the run it was stopped in: not cached
         real("vendored", by_id["sampled-decode-T2"], oracle=cached, source=PromptSource(cfg.vocab_size, seed=0),
              dtype=torch.float32, device="cpu")
+
+
+def test_oracle_memory_streams_the_workers_reference_models_with_the_same_verdicts_and_numbers(tmp_path):
+    """--oracle-memory reaches the workers: under a cap smaller than tiny-bamba's fp64 weights the oracle and twins
+    run layer-streamed (the row says so) and every judged number is the resident run's (one digest)."""
+    import json
+
+    from mutants.scale import main
+
+    rows = {}
+    for mode, cap in (("resident", []), ("streamed", ["--oracle-memory", "64KiB"])):
+        results = tmp_path / f"{mode}.jsonl"
+        assert main(["--worker", "--checkpoint", "fixtures/tiny-bamba", "--scenarios", "batching-together",
+                     "--dtypes", "float32", "--device", "cpu", "--results", str(results), *cap]) == 0
+        rows[mode] = json.loads(results.read_text().splitlines()[0])
+    assert rows["resident"]["oracle_weights"] == "resident" and rows["streamed"]["oracle_weights"] == "streamed"
+    assert rows["streamed"]["verdict"] == rows["resident"]["verdict"] == "PASS"
+    assert rows["streamed"]["digest"] == rows["resident"]["digest"]
+    assert rows["streamed"]["budget"] == rows["resident"]["budget"]
+
+
+def test_oracle_memory_is_passed_to_every_worker_and_a_bad_size_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    import json
+    from types import SimpleNamespace
+
+    import mutants.run
+    from mutants import scale
+
+    caps = set()
+
+    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, oracle_memory=None, **kwargs):
+        caps.add(oracle_memory)
+        if save_cache is not None:
+            save_cache.write_bytes(b"cache")
+        results.write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=seed_start, verdict="PASS")) + "\n"
+                           + json.dumps(scale.DONE) + "\n")
+        return 0
+
+    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    args, out = _fake_measurement(tmp_path, oracle_memory=16 * 2**30, clean_seeds=3)
+    scale._measure(args, out, [SimpleNamespace(name="m0", apply=lambda tree: None)], scale._seed_groups(3, 1))
+    assert caps == {16 * 2**30}
+    with pytest.raises(SystemExit) as exit_:
+        scale.main(["--oracle-memory", "lots", "--out", str(tmp_path / "x")])
+    assert exit_.value.code == 2 and "--oracle-memory 'lots'" in capsys.readouterr().err
