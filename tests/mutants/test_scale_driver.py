@@ -34,6 +34,25 @@ def _fake_measurement(tmp_path, **changes):
     return SimpleNamespace(**{**args, **changes}), tmp_path / "out"
 
 
+def _passing_worker(note=None, extra=None):
+    """A fake _run_worker that records one passing run (and the oracle cache, when asked to save it): note(results,
+    kwargs) is called first; extra(results) gives more fields of the row."""
+    import json
+
+    from mutants import scale
+
+    def fake(tree, results, log, *, save_cache=None, seed_start=0, **kwargs):
+        if note is not None:
+            note(results, kwargs)
+        if save_cache is not None:
+            save_cache.write_bytes(b"cache")
+        row = dict(scenario="s", dtype="bfloat16", seed=seed_start, verdict="PASS", **(extra(results) if extra else {}))
+        results.write_text(json.dumps(row) + "\n" + json.dumps(scale.DONE) + "\n")
+        return 0
+
+    return fake
+
+
 def test_only_engine_mutants_are_judged():
     assert classify_mutant(MUTANTS["ssd-D-dropped"]) is None
     assert "not an engine mutant" in classify_mutant(MUTANTS["judge-budget-without-atol"])
@@ -238,7 +257,6 @@ def test_a_waiting_worker_is_admitted_on_the_estimate_of_when_it_starts():
 def test_mutants_are_admitted_on_the_repeat_of_seed_0s_measured_peak(tmp_path, monkeypatch):
     """The repeat of seed 0 runs every scenario as an engine process on the cache: once it has finished, its peak
     replaces the size-based estimate of a mutant's engine process (at real width several then share the GPU)."""
-    import json
     from types import SimpleNamespace
 
     import mutants.run
@@ -251,16 +269,8 @@ def test_mutants_are_admitted_on_the_repeat_of_seed_0s_measured_peak(tmp_path, m
         held.append(need())
         return real_hold(self, need)
 
-    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, **kwargs):
-        if save_cache is not None:
-            save_cache.write_bytes(b"cache")
-        row = dict(scenario="s", dtype="bfloat16", seed=seed_start, verdict="PASS")
-        if results.name == scale.REPEAT:
-            row["peak_gpu_reserved_gb"] = 1e-8                # 10 bytes
-        results.write_text(json.dumps(row) + "\n" + json.dumps(scale.DONE) + "\n")
-        return 0
-
-    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    peak = lambda results: {"peak_gpu_reserved_gb": 1e-8} if results.name == scale.REPEAT else {}  # noqa: E731
+    monkeypatch.setattr(scale, "_run_worker", _passing_worker(extra=peak))
     monkeypatch.setattr(scale.MemoryGate, "hold", spy_hold)
     monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
     args, out = _fake_measurement(tmp_path, jobs=1)       # one at a time: the repeat first, then each mutant
@@ -656,23 +666,14 @@ def test_a_workers_fp32_row_on_a_model_with_routed_experts_carries_its_routing_a
 def test_a_fresh_measurement_clears_what_earlier_workers_wrote_and_nothing_else(tmp_path, monkeypatch):
     """Without --resume the workers' results, logs and the oracle cache of an earlier measurement go; a file the
     user keeps in --out (the driver's own log, where `... --out DIR >> DIR/driver.log` writes it) stays."""
-    import json
     from types import SimpleNamespace
 
     import mutants.run
     from mutants import scale
 
     seen = {}
-
-    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, **kwargs):
-        seen.setdefault("left", sorted(p.name for p in results.parent.iterdir()))
-        if save_cache is not None:
-            save_cache.write_bytes(b"cache")
-        results.write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=seed_start, verdict="PASS")) + "\n"
-                           + json.dumps(scale.DONE) + "\n")
-        return 0
-
-    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    note = lambda results, kwargs: seen.setdefault("left", sorted(p.name for p in results.parent.iterdir()))  # noqa
+    monkeypatch.setattr(scale, "_run_worker", _passing_worker(note))
     monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
     args, out = _fake_measurement(tmp_path)
     for name in ("clean-seed0.jsonl", "clean-seed0.log", "clean-seeds1-2.jsonl", scale.REPEAT, "mutant-m0.jsonl",
@@ -745,23 +746,14 @@ def test_oracle_memory_streams_the_workers_reference_models_with_the_same_verdic
 
 
 def test_oracle_memory_is_passed_to_every_worker_and_a_bad_size_is_a_usage_error(tmp_path, monkeypatch, capsys):
-    import json
     from types import SimpleNamespace
 
     import mutants.run
     from mutants import scale
 
     caps = set()
-
-    def fake_worker(tree, results, log, *, save_cache=None, seed_start=0, oracle_memory=None, **kwargs):
-        caps.add(oracle_memory)
-        if save_cache is not None:
-            save_cache.write_bytes(b"cache")
-        results.write_text(json.dumps(dict(scenario="s", dtype="bfloat16", seed=seed_start, verdict="PASS")) + "\n"
-                           + json.dumps(scale.DONE) + "\n")
-        return 0
-
-    monkeypatch.setattr(scale, "_run_worker", fake_worker)
+    note = lambda results, kwargs: caps.add(kwargs["oracle_memory"])  # noqa: E731
+    monkeypatch.setattr(scale, "_run_worker", _passing_worker(note))
     monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
     args, out = _fake_measurement(tmp_path, oracle_memory=16 * 2**30, clean_seeds=3)
     scale._measure(args, out, [SimpleNamespace(name="m0", apply=lambda tree: None)], scale._seed_groups(3, 1))
