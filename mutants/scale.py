@@ -395,6 +395,24 @@ def _complete(results: Path, *, seeds=(), scenarios=(), dtypes=(), stop_at_kill:
     return True
 
 
+def live_in(reports: list[str], dtypes: list[str]) -> set[str]:
+    """The mutants killed or survived in any of `dtypes` in any of these report.json files (SystemExit naming a file
+    that is missing, not a mutants.scale report, or measured none of `dtypes`)."""
+    live = set()
+    for name in reports:
+        path = Path(name)
+        path = path / "report.json" if path.is_dir() else path
+        try:
+            report = json.loads(path.read_text())
+            mutants, measured = report["mutants"], report["dtypes"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise SystemExit(f"--live-in {name}: not a mutants.scale report.json ({type(err).__name__}: {err})")
+        if not set(dtypes) & set(measured):
+            raise SystemExit(f"--live-in {name}: measured {', '.join(measured)}, none of --dtypes {', '.join(dtypes)}")
+        live |= {m["name"] for m in mutants for d in dtypes if m.get(d, {}).get("outcome") in ("killed", "survived")}
+    return live
+
+
 def classify_mutant(mutant) -> str | None:
     """Why a mutant is not judged at scale, or None when it is an engine mutant to judge."""
     files = {e.file for e in mutant.edits}
@@ -629,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clean-procs", type=int, default=1,
                         help="processes for clean seeds 1.. (each loads the fp64 oracle once)")
     parser.add_argument("--only", default=None, help="comma-separated mutant names")
+    parser.add_argument("--live-in", default=None, metavar="REPORT[,REPORT]",
+                        help="only the mutants live (killed or survived) in any of --dtypes in any of these earlier "
+                             "measurements' report.json (with --only: those of them named there too)")
     parser.add_argument("--jobs", type=int, default=4,
                         help="mutant processes at a time on the GPU (fewer when the memory gate says so)")
     parser.add_argument("--stop-at-kill", action="store_true", help=argparse.SUPPRESS)
@@ -684,6 +705,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"--only: no mutants named {sorted(missing)}")
         chosen = [m for m in chosen if m.name in names]
+    if args.live_in:
+        live = live_in(args.live_in.split(","), dtypes)
+        chosen = [m for m in chosen if m.name in live]
     skipped = {m.name: why for m in chosen if (why := classify_mutant(m))}
     judged = [m for m in chosen if m.name not in skipped]
     groups = _seed_groups(args.clean_seeds, args.clean_procs)

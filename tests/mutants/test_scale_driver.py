@@ -761,3 +761,37 @@ def test_oracle_memory_is_passed_to_every_worker_and_a_bad_size_is_a_usage_error
     with pytest.raises(SystemExit) as exit_:
         scale.main(["--oracle-memory", "lots", "--out", str(tmp_path / "x")])
     assert exit_.value.code == 2 and "--oracle-memory 'lots'" in capsys.readouterr().err
+
+
+def test_live_in_takes_the_mutants_live_in_earlier_measurements_in_the_dtypes_asked(tmp_path):
+    import json
+
+    from mutants.scale import live_in, main
+
+    def report(folder, dtypes, outcomes):
+        folder.mkdir()
+        mutants = [dict(name=name, **{d: {"outcome": o} for d, o in zip(dtypes, row)})
+                   for name, row in outcomes.items()]
+        (folder / "report.json").write_text(json.dumps(dict(dtypes=dtypes, mutants=mutants)))
+        return str(folder)
+
+    wide = report(tmp_path / "wide", ["bfloat16", "float32"], {"ssd-D-dropped": ("killed", "not live"),
+                                                               "ssu-D-dropped": ("not live", "survived"),
+                                                               "engine-dt-bias-dropped": ("not live", "not live")})
+    deep = report(tmp_path / "deep", ["bfloat16"], {"ssd-dt-bias-dropped": ("survived",),
+                                                    "engine-dt-bias-dropped": ("incomplete",)})
+    assert live_in([wide, deep], ["bfloat16"]) == {"ssd-D-dropped", "ssd-dt-bias-dropped"}
+    assert live_in([wide], ["float32"]) == {"ssu-D-dropped"}
+    assert live_in([wide + "/report.json"], ["bfloat16", "float32"]) == {"ssd-D-dropped", "ssu-D-dropped"}
+    with pytest.raises(SystemExit, match="none of --dtypes float32"):
+        live_in([deep], ["float32"])
+    with pytest.raises(SystemExit, match="not a mutants.scale report.json"):
+        live_in([str(tmp_path / "absent")], ["bfloat16"])
+    # the driver judges those of them --only names (nothing was measured here: they are in the table as not run)
+    out = tmp_path / "out"
+    out.mkdir()
+    main(["--report-only", "--out", str(out), "--dtypes", "bfloat16", "--scenarios", "s", "--clean-seeds", "1",
+          "--live-in", f"{wide},{deep}", "--only", "ssd-D-dropped,ssu-D-dropped,engine-dt-bias-dropped"])
+    table = (out / "table.md").read_text()
+    assert "| ssd-D-dropped | not run |" in table
+    assert "ssu-D-dropped" not in table and "engine-dt-bias-dropped" not in table
