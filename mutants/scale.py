@@ -789,24 +789,16 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
     if args.oracle_memory is not None:              # the reference models held within the cap, beside the candidate
         needs["oracle"] = min(needs["oracle"], args.oracle_memory + ENGINE_PROCESS_X * size)
 
-    def measured_oracle_need():
-        """Seed 0's process held the fp64 oracle: its peak (per process, whatever else runs) is what another oracle
-        process takes."""
-        measured = measured_need(out / "clean-seed0.jsonl")
+    def adopt_measured(need: str, results: Path, whose: str) -> None:
+        """A process of kind `need` ran every scenario and dtype asked (clean seed 0 holding the fp64 oracle; its
+        repeat, an engine answered from the cache): its peak replaces the size-based estimate for every later
+        process of that kind (at real width an engine's is far below it, so that several run side by side), and
+        the workers waiting look again."""
+        measured = measured_need(results)
         if measured is not None:
-            print(f"memory gate: an oracle process needs {measured / 1e9:.1f} GB (clean seed 0's peak; the estimate "
-                  f"was {needs['oracle'] / 1e9:.1f} GB)", flush=True)
-            needs["oracle"] = measured
-
-    def measured_engine_need():
-        """The repeat of seed 0 ran every scenario and dtype as an engine process answered from the cache: its peak
-        is what a mutant's engine process takes (at real width far below the size-based estimate, so that several
-        run side by side)."""
-        measured = measured_need(out / REPEAT)
-        if measured is not None:
-            print(f"memory gate: an engine process needs {measured / 1e9:.1f} GB (the repeat of seed 0's peak; the "
-                  f"estimate was {needs['engine'] / 1e9:.1f} GB)", flush=True)
-            needs["engine"] = measured
+            print(f"memory gate: an {need} process needs {measured / 1e9:.1f} GB ({whose} peak; the estimate was "
+                  f"{needs[need] / 1e9:.1f} GB)", flush=True)
+            needs[need] = measured
             gate.recheck()
 
     def run(tree, results, log, *, need, **kwargs):
@@ -851,13 +843,13 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
         if not (_complete(out / "clean-seed0.jsonl", seeds=[0], **asked) and cache.is_file()):
             statuses.append(run(ROOT, out / "clean-seed0.jsonl", out / "clean-seed0.log", seeds=1, need="oracle",
                                 cache=cache if cache.is_file() else None, save_cache=cache))
-        measured_oracle_need()
+        adopt_measured("oracle", out / "clean-seed0.jsonl", "clean seed 0's")
 
     def repeat():
         if not _complete(out / REPEAT, seeds=[0], **asked):
             statuses.append(run(ROOT, out / REPEAT, out / REPEAT.replace(".jsonl", ".log"), seeds=1,
                                 need="engine", cache=cache, save_cache=None, repeat=True))
-        measured_engine_need()
+        adopt_measured("engine", out / REPEAT, "the repeat of seed 0's")
 
     def clean_group(first, count):
         results = out / _clean_file(first, count)
