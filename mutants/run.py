@@ -2,7 +2,7 @@
 
     python -m mutants.run [--gpu] [--ci] [--engine NAME] [--ops PEER] [--only NAME,...] [--jobs N] [--out DIR]
 
-The working tree is never modified: the tree (minus .git, .venv, out/ and caches) is copied once per mutant into a
+The working tree is never modified: the tree (minus .git and what .gitignore names) is copied once per mutant into a
 temporary directory, the mutant's edits are written there, and pytest runs from there with that copy first on
 sys.path. First a baseline: the union of the selections must pass on an unmutated copy, or a "caught" would mean
 nothing. Outcomes: killed (a selected test failed: it is named), timeout (counted as caught: the suite notices a
@@ -18,6 +18,7 @@ Writes report.json and table.md to --out.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib.util
 import json
 import os
@@ -60,14 +61,58 @@ class Outcome:
     tests_run: int
 
 
-def copy_tree(src: Path, dst: Path, peers: bool = False) -> None:
-    """The tree as a clean clone has it (plus untracked sources), without the virtualenv, outputs and caches; with
-    the peers' vendored kernels (.peers) when `peers`."""
+def ignored_patterns(src: Path) -> list[tuple[str, bool, bool, bool]]:
+    """The top-level .gitignore of `src` as (pattern, anchored, directories only, negated) for `_ignored`: blank
+    lines and comments dropped; a pattern with a slash other than a trailing one is anchored at the top."""
+    path = src / ".gitignore"
+    rules = []
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        line = line[1:] if negated else line
+        directory = line.endswith("/")
+        line = line.rstrip("/")
+        anchored = "/" in line
+        rules.append((line.lstrip("/"), anchored, directory, negated))
+    return rules
+
+
+def _ignored(rel: str, is_dir: bool, rules) -> bool:
+    """Whether the path `rel` (relative to the top, with slashes) is ignored: the last rule that matches decides, as
+    in git (a pattern without a slash matches the name at any depth; `**` is not understood)."""
+    ignored = False
+    for pattern, anchored, directory, negated in rules:
+        if directory and not is_dir:
+            continue
+        if fnmatch.fnmatchcase(rel if anchored else rel.rsplit("/", 1)[-1], pattern):
+            ignored = not negated
+    return ignored
+
+
+def copy_tree(src: Path, dst: Path, peers: bool = False, exclude: tuple[Path, ...] = ()) -> None:
+    """The tree as a clean clone has it (plus untracked sources): without what its .gitignore names (the
+    virtualenvs, outputs, caches, and scratch/, where a 20 GB model may lie), nor the paths in `exclude` (a model or
+    an output directory kept inside the tree); with the peers' vendored kernels (.peers) when `peers`."""
+    src = src.resolve()
     skip_top = SKIP_TOP - {".peers"} if peers else SKIP_TOP
+    rules = ignored_patterns(src)
+    excluded = {Path(p).resolve() for p in exclude}
 
     def ignore(directory: str, names: list[str]) -> set[str]:
-        top = Path(directory).resolve() == src.resolve()
-        return {n for n in names if n in SKIP_ANY or n.endswith(".egg-info") or (top and n in skip_top)}
+        here = Path(directory).resolve()
+        top = here == src
+        rel = here.relative_to(src).as_posix()
+        skipped = set()
+        for n in names:
+            path = here / n
+            if n in SKIP_ANY or n.endswith(".egg-info") or (top and n in skip_top) or path in excluded:
+                skipped.add(n)
+            elif not (peers and top and n == ".peers") and \
+                    _ignored(n if top else f"{rel}/{n}", path.is_dir() and not path.is_symlink(), rules):
+                skipped.add(n)
+        return skipped
 
     shutil.copytree(src, dst, ignore=ignore, symlinks=True)
 

@@ -863,7 +863,7 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
                 (deadline is not None and time.monotonic() >= deadline):
             return
         tree = scratch / mutant.name
-        copy_tree(ROOT, tree)
+        copy_tree(ROOT, tree, exclude=(checkpoint, out))      # a model or --out kept inside the tree
         mutant.apply(tree)
         statuses.append(run(tree, results, out / f"mutant-{mutant.name}.log", seeds=1, need="engine",
                             cache=cache, save_cache=None, stop_at_kill=True))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mutants.mutant import DEFS, Mutant, MutantError, load_all
-from mutants.run import classify, copy_tree, first_failure, select
+from mutants.run import ROOT, _ignored, classify, copy_tree, first_failure, ignored_patterns, select
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a mutant may plant a bug in: the system under test, the oracle, and the judge (a harness must also catch a bug
@@ -123,6 +123,28 @@ def test_scratch_copy_leaves_out_the_venv_and_caches(tmp_path):
     copy_tree(src, tmp_path / "dst")
     copied = sorted(str(p.relative_to(tmp_path / "dst")) for p in (tmp_path / "dst").rglob("*") if p.is_file())
     assert copied == ["fixtures/build/b.py", "vendored/a.py"]
+
+
+def test_scratch_copy_leaves_out_what_gitignore_names(tmp_path):
+    """A 20 GB model under scratch/ (ignored) was copied into every mutant's tree and filled a GPU machine's disk."""
+    src = tmp_path / "src"
+    (src).mkdir()
+    (src / ".gitignore").write_text("# comment\n/scratch/\n*.log\nbuild-*/\n/top-only.txt\ndocs/gen/\n!keep.log\n")
+    for rel in ("vendored/a.py", "scratch/model/w.safetensors", "vendored/scratch/b.py", "run.log", "vendored/x.log",
+                "keep.log", "build-1/o.txt", "vendored/build-2/o.txt", "top-only.txt", "vendored/top-only.txt",
+                "docs/gen/p.md", "docs/keep.md", "mine/model/c.safetensors", "mine/notes.md", "out2/r.json"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text("")
+    copy_tree(src, tmp_path / "dst", exclude=(src / "mine" / "model", src / "out2"))
+    copied = sorted(str(p.relative_to(tmp_path / "dst")) for p in (tmp_path / "dst").rglob("*") if p.is_file())
+    assert copied == [".gitignore", "docs/keep.md", "keep.log", "mine/notes.md", "vendored/a.py",
+                      "vendored/scratch/b.py", "vendored/top-only.txt"]
+
+
+def test_scratch_copy_of_this_tree_leaves_out_its_ignored_directories():
+    rules = ignored_patterns(ROOT)
+    assert _ignored("scratch", True, rules) and _ignored(".venv-llamacpp", True, rules)
+    assert not _ignored("vendored", True, rules) and not _ignored("fixtures/tiny-bamba/config.json", False, rules)
 
 
 def test_classify_counts_a_failure_in_the_report_as_a_kill_even_if_pytest_then_aborts():

@@ -272,7 +272,7 @@ def test_mutants_are_admitted_on_the_repeat_of_seed_0s_measured_peak(tmp_path, m
     peak = lambda results: {"peak_gpu_reserved_gb": 1e-8} if results.name == scale.REPEAT else {}  # noqa: E731
     monkeypatch.setattr(scale, "_run_worker", _passing_worker(extra=peak))
     monkeypatch.setattr(scale.MemoryGate, "hold", spy_hold)
-    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree, **kw: tree.mkdir(parents=True))
     args, out = _fake_measurement(tmp_path, jobs=1)       # one at a time: the repeat first, then each mutant
     judged = [SimpleNamespace(name=f"m{i}", apply=lambda tree: None) for i in range(2)]
     assert set(scale._measure(args, out, judged, [])) == {0}
@@ -320,7 +320,7 @@ def test_clean_seeds_start_beside_seed_0_and_mutants_wait_for_its_oracle_cache(t
         return 0
 
     monkeypatch.setattr(scale, "_run_worker", fake_worker)
-    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree, **kw: tree.mkdir(parents=True))
     args, out = _fake_measurement(tmp_path, jobs=2, clean_seeds=5)
     judged = [SimpleNamespace(name=f"m{i}", apply=lambda tree: None) for i in range(3)]
     statuses = scale._measure(args, out, judged, scale._seed_groups(5, 2))
@@ -397,7 +397,7 @@ def test_a_mutant_worker_the_cache_cannot_answer_runs_again_as_an_oracle_process
 
     monkeypatch.setattr(scale, "_run_worker", fake_worker)
     monkeypatch.setattr(scale.MemoryGate, "hold", spy_hold)
-    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree, **kw: tree.mkdir(parents=True))
     args, out = _fake_measurement(tmp_path, scenarios="s,t")
     judged = [SimpleNamespace(name=f"m{i}", apply=lambda tree: None) for i in range(2)]
     statuses = scale._measure(args, out, judged, [])
@@ -674,7 +674,7 @@ def test_a_fresh_measurement_clears_what_earlier_workers_wrote_and_nothing_else(
     seen = {}
     note = lambda results, kwargs: seen.setdefault("left", sorted(p.name for p in results.parent.iterdir()))  # noqa
     monkeypatch.setattr(scale, "_run_worker", _passing_worker(note))
-    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree, **kw: tree.mkdir(parents=True))
     args, out = _fake_measurement(tmp_path)
     for name in ("clean-seed0.jsonl", "clean-seed0.log", "clean-seeds1-2.jsonl", scale.REPEAT, "mutant-m0.jsonl",
                  "mutant-m0.log", "oracle-cache.pt", "driver.log", "notes.jsonl"):
@@ -754,7 +754,7 @@ def test_oracle_memory_is_passed_to_every_worker_and_a_bad_size_is_a_usage_error
     caps = set()
     note = lambda results, kwargs: caps.add(kwargs["oracle_memory"])  # noqa: E731
     monkeypatch.setattr(scale, "_run_worker", _passing_worker(note))
-    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree: tree.mkdir(parents=True))
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree, **kw: tree.mkdir(parents=True))
     args, out = _fake_measurement(tmp_path, oracle_memory=16 * 2**30, clean_seeds=3)
     scale._measure(args, out, [SimpleNamespace(name="m0", apply=lambda tree: None)], scale._seed_groups(3, 1))
     assert caps == {16 * 2**30}
