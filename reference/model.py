@@ -13,8 +13,9 @@ LazyWeights, `from_pretrained(path, streamed=True)`): each call reads one layer'
 safetensors, converts them to the model's dtype on its device, runs that layer over every sequence of the call, and
 frees them before the next layer; the embedding and the head likewise, each in its turn. Peak memory is then one
 layer's weights (or the embedding's) plus the activations and states of the call, whatever the depth, at the price
-of reading the checkpoint once per call. Both run the same operations on the same converted values, so they give the
-same bits on the same device (tests/reference/test_streamed.py).
+of reading the checkpoint once per call (on a GPU, from page-locked host copies of the stored tensors when they fit
+half the host memory available: host_copies_fit). Both run the same operations on the same converted values, so they
+give the same bits on the same device (tests/reference/test_streamed.py).
 
 GraniteMoeHybrid is the same network with a different feed-forward block and a few scalars (reference/README.md):
 its embedding, residual branches and logits are scaled by config multipliers, its attention scale is a config value,
@@ -113,7 +114,10 @@ class BambaReference:
         """streamed: read each layer's weights from the checkpoint when a call reaches it (module docstring)."""
         if streamed:
             cfg = ModelConfig.from_json(Path(path) / "config.json")
-            return cls(cfg, LazyWeights(path, cfg), **kwargs)
+            store = LazyWeights(path, cfg)
+            device = torch.device(kwargs.get("device", "cpu"))
+            store.host_copies = device.type == "cuda" and host_copies_fit(store.stored_bytes)
+            return cls(cfg, store, **kwargs)
         cfg, weights = load_checkpoint(path)
         return cls(cfg, weights, **kwargs)
 
@@ -302,6 +306,21 @@ def _converted(weight: torch.Tensor, device: torch.device, dtype: torch.dtype) -
     per layer per call when streamed. Resident and streamed weights both come through here, so they hold the same
     bits."""
     return weight.to(device=device).to(dtype=dtype)
+
+
+HOST_COPY_SHARE = 0.5      # of the host memory available when a streamed model opens
+
+
+def host_copies_fit(nbytes: int, meminfo: str = "/proc/meminfo") -> bool:
+    """Whether a streamed model on a GPU keeps page-locked host copies of its stored weights (LazyWeights'
+    host_copies): when they take at most HOST_COPY_SHARE of the host memory available now (MemAvailable; never
+    where it cannot be read)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(meminfo).read_text().splitlines() if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return False
+    return nbytes <= HOST_COPY_SHARE * available
 
 
 class _NoBar:

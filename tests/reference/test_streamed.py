@@ -17,7 +17,7 @@ from harness.engine import Request
 from harness.runner import Oracle
 from reference.checkpoint import CheckpointError, LazyWeights, expected_shapes, key_names
 from reference.config import ModelConfig
-from reference.model import BambaReference
+from reference.model import BambaReference, host_copies_fit
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 TINY = FIXTURES / "tiny-bamba"
@@ -61,6 +61,49 @@ def test_streamed_gives_the_resident_bits(checkpoint, dtype, device):
             assert got.keys() == want.keys() and all(torch.equal(got[i], want[i]) for i in want), field
     tokens, rows = streamed.greedy(first[2][:7], 4)
     assert (tokens, rows.tolist()) == (lambda t, r: (t, r.tolist()))(*resident.greedy(first[2][:7], 4))
+    # on a GPU the streamed model copies each layer from page-locked host copies of the stored tensors
+    assert streamed.w.store.host_copies == (device == "cuda")
+    assert all(t.is_pinned() for t in streamed.w.store._copies.values()) if device == "cuda" else True
+
+
+def test_host_copies_give_the_files_bytes_and_read_each_tensor_once(monkeypatch, tmp_path):
+    for path in (TINY, zoo.write_checkpoint("tied-embeddings-vocab300", tmp_path)):
+        cfg = ModelConfig.from_json(path / "config.json")
+        plain, copies = LazyWeights(path, cfg), LazyWeights(path, cfg, host_copies=True)
+        reads = []
+        read = LazyWeights._read
+        monkeypatch.setattr(LazyWeights, "_read", lambda self, key: reads.append(key) or read(self, key))
+        for _ in range(2):
+            for key in plain.keys():
+                a, b = plain.load(key), copies.load(key)
+                assert a.dtype == b.dtype and torch.equal(a, b), key
+        stored = [k for k in plain.keys() if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+        as_stored = ["model.embed_tokens.weight" if k not in stored else k for k in plain.keys()]  # the tied head
+        assert sorted(reads) == sorted(2 * as_stored + stored)      # the copies read once per stored tensor
+        assert copies.host_copy_bytes == copies.stored_bytes == sum(
+            plain.load(k).numel() * plain.load(k).element_size() for k in stored)
+        assert plain.host_copy_bytes == 0
+        monkeypatch.undo()
+
+
+def test_streamed_from_host_copies_gives_the_resident_bits():
+    cfg = ModelConfig.from_json(TINY / "config.json")
+    resident = BambaReference.from_pretrained(TINY)
+    copies = BambaReference(cfg, LazyWeights(TINY, cfg, host_copies=True))
+    assert copies.streamed and not BambaReference.from_pretrained(TINY, streamed=True).w.store.host_copies  # CPU
+    for call in _pieces(cfg, seed=5):
+        want, _ = resident.forward_batch(call, [resident.initial_state() for _ in call])
+        got, _ = copies.forward_batch(call, [copies.initial_state() for _ in call])     # the second: from copies
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_host_copies_only_where_they_fit_half_the_available_memory(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemAvailable:    40000000 kB\n")
+    assert host_copies_fit(20_000_000 * 1024, str(meminfo))
+    assert not host_copies_fit(20_000_001 * 1024, str(meminfo))
+    meminfo.write_text("MemTotal:       131072000 kB\n")
+    assert not host_copies_fit(1, str(meminfo)) and not host_copies_fit(1, str(tmp_path / "absent"))
 
 
 def test_one_layers_weights_at_a_time_and_only_those():
