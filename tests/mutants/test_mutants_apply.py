@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mutants.mutant import DEFS, Mutant, MutantError, load_all
-from mutants.run import ROOT, _ignored, classify, copy_tree, first_failure, ignored_patterns, select
+from mutants.run import _ignored, classify, copy_tree, first_failure, ignored_patterns, select
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a mutant may plant a bug in: the system under test, the oracle, and the judge (a harness must also catch a bug
