@@ -14,8 +14,10 @@ Nothing it is given changes what is computed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -83,6 +85,63 @@ def _key(req: Request) -> tuple:
     return req.prompt, req.max_new_tokens, req.top_k, req.full_distributions
 
 
+def _checkpoint_files(checkpoint: Path) -> list[Path]:
+    """The files that say what a checkpoint computes: its config and its weights (and their index)."""
+    return sorted(p for p in Path(checkpoint).iterdir() if p.is_file() and (
+        p.name == "config.json" or p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_record(checkpoint: str | Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """File name -> size, mtime_ns and sha256 of each of the checkpoint's files; a file whose size and mtime equal
+    `known`'s entry for it keeps that entry's sha256 unhashed (the same file, untouched since it was hashed)."""
+    record = {}
+    for path in _checkpoint_files(Path(checkpoint)):
+        stat = path.stat()
+        entry = (known or {}).get(path.name)
+        same = entry is not None and (entry["size"], entry["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns)
+        record[path.name] = dict(size=stat.st_size, mtime_ns=stat.st_mtime_ns,
+                                 sha256=entry["sha256"] if same else _sha256(path))
+    return record
+
+
+def check_record(record: dict[str, dict] | None, checkpoint: str | Path, what: str) -> dict[str, dict]:
+    """The checkpoint's record (checkpoint_record) when its files' contents are those of `record` (an oracle
+    cache's); ValueError naming the files that differ, or saying `what` has no record (an older cache)."""
+    if record is None:
+        raise ValueError(f"{what}: written without a record of its checkpoint's files (an older cache): its results "
+                         "cannot be checked against this checkpoint; delete it and they are computed again")
+    current = checkpoint_record(checkpoint, known=record)
+    differ = sorted(n for n in set(record) | set(current)
+                    if (record.get(n) or {}).get("sha256") != (current.get(n) or {}).get("sha256"))
+    if differ:
+        raise ValueError(f"{what}: computed for other weights than {checkpoint}'s (" + ", ".join(
+            f"{n} {'differs' if n in record and n in current else 'absent' if n in record else 'new'}"
+            for n in differ) + ")")
+    return current
+
+
+def restamp_cache(path: str | Path, checkpoint: str | Path) -> None:
+    """Check an oracle cache against the checkpoint (check_record: ValueError if it is another's) and, where the
+    files were written again with the same contents (a model drawn again from its seed on another machine), record
+    their new sizes and times, so that the processes loading it next need not hash the weights again."""
+    path = Path(path)
+    cache = torch.load(path, weights_only=False)
+    current = check_record(cache.get("files"), checkpoint, str(path))
+    if current != cache["files"]:
+        cache["files"] = current
+        part = path.with_name(path.name + ".part")
+        torch.save(cache, part)
+        os.replace(part, path)
+
+
 class Oracle:
     """The fp64 reference of one checkpoint. gated_norm: "grouped" (Bamba) or "full" (what transformers computes)."""
 
@@ -126,6 +185,7 @@ class Oracle:
         self._routing: dict[tuple, list[float]] = {}
         self.routing_notes: list[dict] = []
         self._cfg: ModelConfig | None = None
+        self._files: dict[str, dict] | None = None      # checkpoint_record, once a cache is saved or loaded
 
     def weights_mode(self, dtype: torch.dtype = torch.float64) -> str:
         """"streamed" when the reference in `dtype` would not fit memory_limit resident (weights x ROOM_FACTOR)."""
@@ -323,17 +383,21 @@ class Oracle:
 
     def save_cache(self, path: str | Path) -> None:
         """Write every result, error and routing allowance computed so far, so that another process (a mutant's,
-        say) judges against the same oracle without loading the fp64 model again (load_cache)."""
+        say) judges against the same oracle without loading the fp64 model again (load_cache), with the sha256 of
+        each of the checkpoint's files (hashed once per process: at 9.8B about 20 GB, some seconds)."""
+        if self._files is None:
+            self._files = checkpoint_record(self.checkpoint)
         torch.save({"checkpoint": str(self.checkpoint.resolve()), "gated_norm": self.gated_norm,
-                    "results": self._results, "errors": self._errors, "routing": self._routing,
-                    "routing_notes": self.routing_notes}, path)
+                    "files": self._files, "results": self._results, "errors": self._errors,
+                    "routing": self._routing, "routing_notes": self.routing_notes}, path)
 
     def load_cache(self, path: str | Path) -> None:
-        """Adopt what save_cache wrote for this checkpoint and gated norm (ValueError otherwise)."""
+        """Adopt what save_cache wrote for a checkpoint with the same files' contents (wherever it lies) and this
+        gated norm; ValueError otherwise, and for a cache without a record of its checkpoint's files."""
         cache = torch.load(path, weights_only=False)
-        if (cache["checkpoint"], cache["gated_norm"]) != (str(self.checkpoint.resolve()), self.gated_norm):
-            raise ValueError(f"{path}: an oracle cache of {cache['checkpoint']} ({cache['gated_norm']} gated norm), "
-                             f"not of {self.checkpoint.resolve()} ({self.gated_norm})")
+        if cache["gated_norm"] != self.gated_norm:
+            raise ValueError(f"{path}: an oracle cache of the {cache['gated_norm']} gated norm, not {self.gated_norm}")
+        self._files = check_record(cache.get("files"), self.checkpoint, f"{path} (of {cache['checkpoint']})")
         self._results.update(cache["results"])
         self._errors.update(cache["errors"])
         self._routing.update(cache.get("routing", {}))

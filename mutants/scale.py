@@ -782,6 +782,13 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
         for stale in [*out.glob("clean-seed*.jsonl"), *out.glob("clean-seed*.log"), *out.glob("mutant-*.jsonl"),
                       *out.glob("mutant-*.log"), cache, cache.with_name(cache.name + ".part")]:
             stale.unlink(missing_ok=True)
+    if cache.is_file():           # an earlier call's: checked against this checkpoint before any worker trusts it
+        from harness.runner import restamp_cache
+
+        try:
+            restamp_cache(cache, checkpoint)
+        except ValueError as err:
+            raise SystemExit(f"--out {out}: {err}") from None
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     gate = MemoryGate.for_device(args.device)
     size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
