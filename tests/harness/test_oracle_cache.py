@@ -61,7 +61,7 @@ def test_the_same_weights_elsewhere_are_answered_from_the_cache(cache, tmp_path,
     (lambda d: d.joinpath("config.json").write_text(d.joinpath("config.json").read_text().replace("}", ' }', 1)),
      "config.json differs"),
     (lambda d: shutil.copyfile(d / "model.safetensors", d / "model-extra.safetensors"), "model-extra.safetensors new"),
-])
+], ids=["a-weight-byte", "the-config", "another-shard"])
 def test_other_weights_are_refused_naming_the_file(cache, tmp_path, change, message):
     other = _copy(tmp_path / "other")
     change(other)
