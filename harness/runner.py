@@ -209,6 +209,8 @@ class Oracle:
             if model is not None:
                 usage = self._usage[key]
                 usage["peak_weight_bytes"] = max(usage["peak_weight_bytes"], model.peak_weight_bytes)
+                if model.streamed:          # the stored weights it keeps in host memory (LazyWeights.host_copies)
+                    usage["host_copy_bytes"] = max(usage.get("host_copy_bytes", 0), model.w.store.host_copy_bytes)
 
     def _run(self, key: tuple, requests: list[Request]) -> list[RequestResult]:
         """The reference model `key` on requests, its device memory peak noted (on a GPU)."""

@@ -162,6 +162,8 @@ def test_the_oracle_under_a_cap_streams_and_gives_the_same_results_and_budget():
         models = {m["dtype"]: m for m in described["models"]}
         assert models["float64"]["weights"] == models["float32"]["weights"] == "streamed"
         assert 0 < models["float64"]["peak_weight_bytes"] < models["float64"]["weight_bytes"] / 2
+        assert models["float64"]["host_copy_bytes"] == 0            # on the CPU the files are read at each pass
+        assert "host_copy_bytes" not in resident.describe()["models"][0]
         assert resident.describe()["models"][0]["weights"] == "resident"
     finally:
         resident.close()
