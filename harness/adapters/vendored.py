@@ -5,7 +5,8 @@ K/V cache forces preemption), ssm_state_dtype, allow_long_context, cuda_graphs (
 padded to captured sizes and replayed), tensor_parallel_size, pipeline_parallel_size (worker processes: gloo on the
 CPU, one CUDA device per rank with NCCL) and arrival steps. engine_args: parallel_timeout_s; batch_invariant (1 or 0:
 the engine's batch-invariant mode, vendored/engine/invariant.py). The engine is built per run, sized for the longest
-request of that run (max_model_len), so a scenario's memory is what its requests need. A model that cannot
+request of that run (max_model_len) and with no more state slots than it has requests (default_max_num_seqs), so a
+scenario's memory is what its requests need. A model that cannot
 be split over the asked ranks (heads not divisible by tp, ...) is reported unsupported; CUDA graphs are for one rank.
 """
 
@@ -22,6 +23,14 @@ from ..schedule import DEFAULT_KV_BLOCK_SIZE
 # What the engine does when a scenario leaves a knob at None: no chunking for these prompt sizes, 64 in flight.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 64
+
+
+def default_max_num_seqs(num_requests: int) -> int:
+    """The state slots of a run whose scenario leaves max_num_seqs at None: 64 in flight, but no more slots than the
+    run has requests. The schedule is the same (every request of a run of at most 64 is admitted as it arrives), and
+    the engine's SSM-state pool and K/V cache, sized by max_num_seqs, hold what the run can use: at Bamba-9B width
+    the 64 slots and the padding slot of fp32 state are 7.9 GB, where a run of five requests needs 0.7."""
+    return max(1, min(DEFAULT_MAX_NUM_SEQS, num_requests))
 
 
 class VendoredEngine(Engine):
@@ -81,12 +90,12 @@ class VendoredEngine(Engine):
         self._engine_class = LLMEngine
         self.engine = None
 
-    def _build(self, max_model_len: int):
+    def _build(self, max_model_len: int, num_requests: int):
         opts = self.options
         return self._engine_class(
             self.checkpoint, dtype=dtype_name(self.dtype), device=self.device,
             max_num_batched_tokens=opts.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs=opts.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=max_model_len,
+            max_num_seqs=opts.max_num_seqs or default_max_num_seqs(num_requests), max_model_len=max_model_len,
             num_kv_blocks=opts.num_kv_blocks, block_size=opts.kv_block_size or DEFAULT_KV_BLOCK_SIZE,
             long_prefill_token_threshold=opts.long_prefill_token_threshold,
             ssm_state_dtype=opts.ssm_state_dtype or "float32", allow_long_context=opts.allow_long_context,
@@ -97,7 +106,7 @@ class VendoredEngine(Engine):
 
     def _run(self, requests: list[Request]) -> list[RequestResult]:
         self._close_engine()
-        self.engine = self._build(max(len(r.prompt) + r.max_new_tokens for r in requests))
+        self.engine = self._build(max(len(r.prompt) + r.max_new_tokens for r in requests), len(requests))
         if self.step_callback is not None:
             self.engine.step = _counted(self.engine.step, self.step_callback)
         from vendored.engine import SamplingParams

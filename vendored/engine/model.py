@@ -56,21 +56,36 @@ class StepBatch:
     static_decode: bool = False
 
 
-def _merge(w: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], merged: str) -> tuple[int, ...] | None:
+def _merge(w: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], merged: str, *,
+           device: torch.device | None = None, dtype: torch.dtype | None = None) -> tuple[int, ...] | None:
     """Put the weights (and biases) of projections that read the same input side by side in one, `prefix + merged`,
-    so that one GEMM reads them all (q/k/v; gate/up), and drop the parts. Returns the parts' output widths, or None
-    (nothing merged) when a part is missing or only some have a bias."""
+    so that one GEMM reads them all (q/k/v; gate/up), and drop the parts. The merged tensor is made on `device` in
+    `dtype` (the parts' own by default) and each part copied into its rows: a model loading to a GPU never holds
+    the parts there, so the caching allocator is left no part-sized holes (at Bamba-9B width, merging after the
+    move left 7.5 GB reserved and unusable). Returns the parts' output widths, or None (nothing merged) when a part
+    is missing or only some have a bias."""
     weights = [w.get(prefix + part + ".weight") for part in parts]
     biases = [w.get(prefix + part + ".bias") for part in parts]
     if any(t is None for t in weights) or (any(b is None for b in biases) and any(b is not None for b in biases)):
         return None
-    w[prefix + merged + ".weight"] = torch.cat(weights)
+    w[prefix + merged + ".weight"] = _stacked(weights, device, dtype)
     if biases[0] is not None:
-        w[prefix + merged + ".bias"] = torch.cat(biases)
+        w[prefix + merged + ".bias"] = _stacked(biases, device, dtype)
     for part in parts:
         w.pop(prefix + part + ".weight")
         w.pop(prefix + part + ".bias", None)
     return tuple(t.shape[0] for t in weights)
+
+
+def _stacked(parts: list[torch.Tensor], device: torch.device | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """torch.cat(parts) along dim 0, made once on `device` in `dtype` (each part converted as .to would)."""
+    out = torch.empty((sum(t.shape[0] for t in parts), *parts[0].shape[1:]), dtype=dtype or parts[0].dtype,
+                      device=device or parts[0].device)
+    row = 0
+    for t in parts:
+        out[row:row + t.shape[0]].copy_(t)
+        row += t.shape[0]
+    return out
 
 
 # Whether a model on a CPU runs the decoder layer's element-wise ops (add_rms_norm, rotary_, silu_mul) and the
@@ -101,7 +116,23 @@ class BambaEngineModel:
         self.batch_invariant = batch_invariant
         self.fused = device.type == "cuda" or FUSED_OPS_ON_CPU or batch_invariant
         self.layers = range(cfg.num_layers) if layers is None else layers
-        self.w = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+        # q/k/v and gate/up each read by one GEMM: a decode step of a small batch is bound by its launches and
+        # weight reads, and one wider GEMM reads the same bytes in one launch (and its output holds q and k side by
+        # side for one rotary launch). Merged as they are moved (_merge); the split widths are this instance's (a
+        # tensor-parallel rank's shards).
+        w = dict(tensors)
+        self.qkv_widths: dict[int, tuple[int, ...]] = {}
+        self.gate_up_merged: set[int] = set()
+        for i in self.layers:
+            if i in cfg.attn_layers:
+                widths = _merge(w, f"model.layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj",
+                                device=device, dtype=dtype)
+                if widths is not None:
+                    self.qkv_widths[i] = widths
+            if _merge(w, f"model.layers.{i}.feed_forward.", ("gate_proj", "up_proj"), "gate_up_proj",
+                      device=device, dtype=dtype):
+                self.gate_up_merged.add(i)
+        self.w = {k: v.to(device=device, dtype=dtype) for k, v in w.items()}
         for i in (i for i in cfg.mamba_layers if i in self.layers):
             p = f"model.layers.{i}.mamba."
             self.w[p + "A"] = -torch.exp(tensors[p + "A_log"].to(device=device, dtype=torch.float32))
@@ -114,18 +145,6 @@ class BambaEngineModel:
         angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None]   # (L, R/2)
         self.cos = torch.cat([angles.cos()] * 2, -1).float().to(device)                        # (L, R)
         self.sin = torch.cat([angles.sin()] * 2, -1).float().to(device)
-        # q/k/v and gate/up each read by one GEMM: a decode step of a small batch is bound by its launches and
-        # weight reads, and one wider GEMM reads the same bytes in one launch (and its output holds q and k side by
-        # side for one rotary launch). The split widths are this instance's (a tensor-parallel rank's shards).
-        self.qkv_widths: dict[int, tuple[int, ...]] = {}
-        self.gate_up_merged: set[int] = set()
-        for i in self.layers:
-            if i in cfg.attn_layers:
-                widths = _merge(self.w, f"model.layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-                if widths is not None:
-                    self.qkv_widths[i] = widths
-            if _merge(self.w, f"model.layers.{i}.feed_forward.", ("gate_proj", "up_proj"), "gate_up_proj"):
-                self.gate_up_merged.add(i)
 
     def forward(self, batch: StepBatch, states: StatePool, kv: KVCache) -> torch.Tensor:
         """Runs the step, updating states and K/V in place. Returns fp32 logits (len(logits_rows), V)."""
