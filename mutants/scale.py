@@ -30,7 +30,9 @@ false-failure rate on the same workload (`make mutants-scale`, on a CUDA machine
    again, its finished runs kept, as an oracle process.
 Outcomes per dtype: killed (a scenario FAILED or the engine raised: which, and by which check: "logprob" (the max
 budget), "token", "excess" (the noise-floor test), "shape", "error"), survived (with its largest max |Δ| / budget and
-largest excess ratio beside the clean runs' largest, the noise floor). A run that ran out of GPU memory is neither:
+largest excess ratio beside the clean runs' largest, the noise floor, and where it differs its mean |Δ|, mean KL and
+top-1 misses as ratios to the clean engine's run of the same prompts: near 1 for a change of rounding alone, well
+over 1 for a bug the rounding drowns). A run that ran out of GPU memory is neither:
 it is not recorded, and runs again with --resume.
 Writes report.json, table.md and power.png to --out; with several --budget-rule (comma-separated) every run is
 judged by each, a mutant's scenarios stop only once every rule killed it, and the rules after the first get
@@ -149,6 +151,44 @@ def _digest(report) -> str:
     return h.hexdigest()[:16]
 
 
+def _mean_delta(report) -> float | None:
+    """The mean |Δ| over every compared position of a report (None: none compared)."""
+    deltas = [d for c in report.comparisons for d in c.deltas]
+    return sum(deltas) / len(deltas) if deltas else None
+
+
+def beside_clean(mine: list[dict], clean: list[dict]) -> dict[str, tuple[float, float]]:
+    """A mutant's effect in units of the clean engine's own error: over its rows whose clean run (same seed, scenario
+    and dtype; the first run, not its repeat) is recorded, the range (smallest, largest) of its mean |Δ| over the
+    clean run's ("mean"; from the excess test's "all" ratios for rows older than mean_delta), its mean KL over the
+    clean run's ("kl") and its top-1 disagreements with the oracle over the clean run's ("top1 misses"). A bug that
+    the rounding drowns reads as ratios well over 1 (its own error added to the rounding's), a change of rounding
+    alone as ratios near 1. A measure whose clean value is 0 or missing is left out."""
+    first = {}
+    for r in clean:
+        if not r.get("repeat"):
+            first.setdefault((r.get("seed"), r["scenario"], r["dtype"]), r)
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    found: dict[str, list[float]] = {}
+    for r in mine:
+        c = first.get((r.get("seed"), r["scenario"], r["dtype"]))
+        if c is None or c.get("verdict") != "PASS":
+            continue
+        mean = ratio(r.get("mean_delta"), c.get("mean_delta"))
+        if mean is None:
+            mean = ratio(r.get("excess", {}).get("all"), c.get("excess", {}).get("all"))
+        misses = ratio(None if r.get("top1") is None else 1.0 - r["top1"],
+                       None if c.get("top1") is None else 1.0 - c["top1"])
+        for key, value in (("mean", mean), ("kl", ratio(r.get("mean_kl"), c.get("mean_kl"))),
+                           ("top1 misses", misses)):
+            if value is not None and math.isfinite(value):
+                found.setdefault(key, []).append(value)
+    return {k: (min(v), max(v)) for k, v in found.items()}
+
+
 def _out_of_memory(err: BaseException) -> bool:
     """A run that failed for want of GPU memory (another process on the GPU held it): not a verdict on the engine."""
     import torch
@@ -242,7 +282,8 @@ def worker(args) -> int:
                         row.update(verdict="PASS" if report.passed else "FAIL",
                                    checks=sorted({f.what for f in report.failures}),
                                    first_failure=report.failures[0].message()[:300] if report.failures else "",
-                                   max_delta=report.max_delta, budget=report.meta["budget"],
+                                   max_delta=report.max_delta, mean_delta=_mean_delta(report),
+                                   budget=report.meta["budget"],
                                    delta_over_budget=report.meta.get("max_delta_over_position_budget",
                                                                      report.max_delta / report.meta["budget"]),
                                    top1=report.top1_agreement, mean_kl=report.mean_kl,
@@ -475,6 +516,8 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
             "differs_in": sorted(r["scenario"] for r in differ) if outcome == "survived" else [],
             "differing_digests": sorted(f"{r['scenario']}:{r['digest']}" for r in differ) if outcome == "survived"
             else [],
+            # a survivor's effect where it differs, in units of the clean engine's own error on the same run
+            "beside_clean": beside_clean(differ, clean) if outcome == "survived" else {},
         }
     out["live"] = any(out[d]["outcome"] in ("killed", "survived") for d in dtypes)
     return out
@@ -529,6 +572,10 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
             return ""
         others = [n for n in shared.get((d, *m[d].get("differing_digests", [])), []) if n != m["name"]]
         note = f" (differs in {', '.join(m[d].get('differs_in', []))}"
+        if m[d].get("beside_clean"):
+            note += "; beside the clean run: " + ", ".join(
+                f"{k} ×{lo:.3f}" + ("" if f"{lo:.3f}" == f"{hi:.3f}" else f"-{hi:.3f}")
+                for k, (lo, hi) in m[d]["beside_clean"].items())
         return note + (f"; that output bit-identical to {len(others)} other mutants')" if others else ")")
 
     for m in mutants:

@@ -192,8 +192,9 @@ def test_a_survivor_names_where_it_differs_and_which_other_mutants_gave_the_same
                   ["bfloat16"])
     assert a["bfloat16"]["differs_in"] == ["t"] and c["bfloat16"]["differs_in"] == ["s"]
     text = table(clean, [a, b, c], {}, ["bfloat16"])
-    assert "| m1 | survived (differs in t; that output bit-identical to 1 other mutants') |" in text
-    assert "| m3 | survived (differs in s) |" in text
+    assert ("| m1 | survived (differs in t; beside the clean run: mean ×1.000; that output bit-identical to 1 other "
+            "mutants') |") in text
+    assert "| m3 | survived (differs in s; beside the clean run: mean ×1.000) |" in text
 
 
 def test_the_memory_gate_admits_workers_while_their_estimates_fit():
@@ -795,3 +796,47 @@ def test_live_in_takes_the_mutants_live_in_earlier_measurements_in_the_dtypes_as
     table = (out / "table.md").read_text()
     assert "| ssd-D-dropped | not run |" in table
     assert "ssu-D-dropped" not in table and "engine-dt-bias-dropped" not in table
+
+
+def test_a_survivors_effect_is_given_in_units_of_the_clean_runs_error():
+    """Beside the clean engine's run of the same seed and scenario: mean |Δ|, mean KL and top-1 misses as ratios
+    (a bug drowned in the rounding reads well over 1, a change of rounding alone near 1)."""
+    from mutants.scale import beside_clean
+
+    def row(scenario, digest, *, mean, kl, top1, **extra):
+        return dict(_row(scenario, "bfloat16", "PASS", digest), mean_delta=mean, mean_kl=kl, top1=top1, **extra)
+
+    clean = [row("s", "aaa", mean=0.2, kl=0.01, top1=0.8), row("t", "ttt", mean=0.4, kl=0.02, top1=0.9),
+             dict(row("s", "a2", mean=9.0, kl=9.0, top1=0.0), repeat=True)]      # the repeat is not the scale
+    mine = [row("s", "m1", mean=0.3, kl=0.022, top1=0.7), row("t", "m2", mean=0.5, kl=0.05, top1=0.85)]
+    effect = beside_clean(mine, clean)
+    assert effect["mean"] == pytest.approx((1.25, 1.5))
+    assert effect["kl"] == pytest.approx((2.2, 2.5))
+    assert effect["top1 misses"] == pytest.approx((1.5, 1.5))
+    # rows older than mean_delta: the excess test's "all" ratios (both over the same bf16 reference)
+    old = [dict(r, excess={"all": 0.9}) for r in clean[:2]]
+    for r in old:
+        del r["mean_delta"]
+    assert beside_clean([dict(_row("s", "bfloat16", "PASS", "m"), excess={"all": 1.35})], old)["mean"] \
+        == pytest.approx((1.5, 1.5))
+    # a clean value of 0 (every top-1 agreeing, no KL) or no clean run of that scenario leaves the measure out
+    perfect = [row("s", "aaa", mean=0.2, kl=0.0, top1=1.0)]
+    assert beside_clean([row("s", "m", mean=0.2, kl=0.01, top1=0.9)], perfect) == {"mean": (1.0, 1.0)}
+    assert beside_clean([row("u", "m", mean=0.2, kl=0.01, top1=0.9)], clean) == {}
+    survived = summarise("m1", mine, clean, ["bfloat16"])
+    assert survived["bfloat16"]["beside_clean"] == effect
+    text = table(clean, [survived], {}, ["bfloat16"])
+    assert ("survived (differs in s, t; beside the clean run: mean ×1.250-1.500, kl ×2.200-2.500, "
+            "top1 misses ×1.500)") in text
+    killed = summarise("m2", [dict(mine[0], verdict="FAIL")], clean, ["bfloat16"])
+    assert killed["bfloat16"]["beside_clean"] == {}
+
+
+def test_a_runs_mean_delta_is_over_every_compared_position():
+    from types import SimpleNamespace
+
+    from mutants.scale import _mean_delta
+
+    report = SimpleNamespace(comparisons=[SimpleNamespace(deltas=[0.1, 0.3]), SimpleNamespace(deltas=[0.5])])
+    assert _mean_delta(report) == pytest.approx(0.3)
+    assert _mean_delta(SimpleNamespace(comparisons=[SimpleNamespace(deltas=[])])) is None
