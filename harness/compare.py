@@ -70,7 +70,8 @@ ratio alone failed one correct run in 160 on a trained 32-layer model (1.70× on
 positions set the mean; docs/scale.md); a bug that raises the error over a whole class moves every d, so its z grows
 with the class's size; and a bug whose excess sits on a few positions can be large with a small z (6.2× at z 2.9 on
 that model), which the second bound fails. The ratio alone stays available (NoiseFloor.z_limit None, `--excess-z
-none`), and each class reports both verdicts. The
+none`), and each class reports both verdicts, and its variances and covariance, from which paired_z_at gives its z
+against another ratio (how mutants.scale weighs a lower limit on runs already made). The
 boundaries are those of the scheduler plan of harness/schedule.py (exact for the vendored engine, the closest
 model of others'). Its threshold and false-failure rate are measured on real-width models (docs/scale.md).
 
@@ -176,13 +177,48 @@ def excess_table(comparisons: Sequence["RequestComparison"], noise: NoiseFloor) 
         limit = noise.ratio * ref_mean + noise.atol
         judged = n >= noise.min_positions
         z = paired_z(cand, ref, noise.ratio, noise.atol)
-        over_ratio = judged and not cand_mean <= limit
-        failed = over_ratio and (noise.z_limit is None or z is None or not z <= noise.z_limit
-                                 or not cand_mean <= noise.ratio_alone * ref_mean + noise.atol)
+        over_ratio, failed = excess_verdict(judged, cand_mean, ref_mean, z, ratio=noise.ratio, atol=noise.atol,
+                                            z_limit=noise.z_limit, ratio_alone=noise.ratio_alone)
         table[name] = {"positions": n, "candidate_mean": cand_mean, "reference_mean": ref_mean,
                        "ratio": cand_mean / ref_mean if ref_mean > 0 else (math.inf if cand_mean > 0 else 0.0),
-                       "limit": limit, "judged": judged, "paired_z": z, "over_ratio": over_ratio, "failed": failed}
+                       "limit": limit, "judged": judged, "paired_z": z, "over_ratio": over_ratio, "failed": failed,
+                       **_moments(cand, ref, cand_mean, ref_mean)}
     return table
+
+
+def excess_verdict(judged: bool, cand_mean: float, ref_mean: float, z: float | None, *, ratio: float, atol: float,
+                   z_limit: float | None, ratio_alone: float) -> tuple[bool, bool]:
+    """(over_ratio, failed) of one class (excess_table): over the ratio's limit when judged, and failed when its
+    paired z (against that ratio) is over z_limit, is not a number, or its mean is over ratio_alone times the
+    reference's; z_limit None: the ratio alone."""
+    over_ratio = judged and not cand_mean <= ratio * ref_mean + atol
+    failed = over_ratio and (z_limit is None or z is None or not z <= z_limit
+                             or not cand_mean <= ratio_alone * ref_mean + atol)
+    return over_ratio, failed
+
+
+def _moments(cand: Sequence[float], ref: Sequence[float], cand_mean: float, ref_mean: float) -> dict[str, float]:
+    """The class's sample variances and covariance (n − 1; 0 under two positions): with the means they give the
+    paired z against any ratio (paired_z_at), so that another excess limit can be weighed on runs already made."""
+    n = len(cand)
+    if n < 2:
+        return {"candidate_var": 0.0, "reference_var": 0.0, "covariance": 0.0}
+    return {"candidate_var": sum((c - cand_mean) ** 2 for c in cand) / (n - 1),
+            "reference_var": sum((r - ref_mean) ** 2 for r in ref) / (n - 1),
+            "covariance": sum((c - cand_mean) * (r - ref_mean) for c, r in zip(cand, ref)) / (n - 1)}
+
+
+def paired_z_at(row: dict, ratio: float, atol: float) -> float | None:
+    """paired_z of an excess_table class against another ratio, from its positions, means and moments (the same
+    number paired_z gives on the class's positions, up to rounding); None where paired_z would be."""
+    n = row["positions"]
+    if n < 2:
+        return None
+    mean = row["candidate_mean"] - ratio * row["reference_mean"]
+    var = row["candidate_var"] + ratio * ratio * row["reference_var"] - 2 * ratio * row["covariance"]
+    if var <= 1e-12 * max(row["candidate_var"] + ratio * ratio * row["reference_var"], 1e-300):
+        return 0.0 if mean == atol else math.copysign(math.inf, mean - atol)
+    return (mean - atol) / math.sqrt(var / n)
 
 
 def paired_z(cand: Sequence[float], ref: Sequence[float], ratio: float, atol: float) -> float | None:
@@ -477,6 +513,7 @@ def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequen
     if noise is not None:
         table = excess_table(comparisons, noise)
         meta["excess"] = {"dtype": noise.dtype, "ratio_limit": noise.ratio, "z_limit": noise.z_limit,
+                          "atol": noise.atol,
                           "ratio_alone": None if noise.z_limit is None else noise.ratio_alone, "classes": table}
         for name, row in table.items():
             if row["failed"]:

@@ -34,6 +34,8 @@ largest excess ratio beside the clean runs' largest, the noise floor, and where 
 top-1 misses as ratios to the clean engine's run of the same prompts: near 1 for a change of rounding alone, well
 over 1 for a bug the rounding drowns). A run that ran out of GPU memory is neither:
 it is not recorded, and runs again with --resume.
+table.md also weighs excess ratio limits below compare's (LOWER_LIMITS) on the runs that recorded their classes'
+moments: how many clean runs each would fail and how many survivors each would kill (limit_lines).
 Writes report.json, table.md and power.png to --out; with several --budget-rule (comma-separated) every run is
 judged by each, a mutant's scenarios stop only once every rule killed it, and the rules after the first get
 report-RULE.json, table-RULE.md and power-RULE.png. Exit status 0 only if every clean run passed by every rule and
@@ -149,6 +151,29 @@ def _digest(report) -> str:
     for c in report.comparisons:
         h.update(repr((c.request_id, c.positions, c.deltas, c.top1_agree)).encode())
     return h.hexdigest()[:16]
+
+
+MOMENTS = ("positions", "candidate_mean", "reference_mean", "candidate_var", "reference_var", "covariance")
+LOWER_LIMITS = (1.4, 1.3, 1.25, 1.2, 1.1)    # excess ratio limits below compare's EXCESS_RATIO weighed in the table
+
+
+def excess_fails_at(row: dict, ratio: float) -> bool | None:
+    """Whether the excess test with its ratio limit at `ratio` (the paired z and the ratio-alone bound as compare
+    has them) fails one of the run's judged classes; None when the row has no excess_moments (a row written before
+    they were recorded, or a dtype without the excess test)."""
+    from harness.compare import EXCESS_RATIO_ALONE, EXCESS_Z, excess_verdict, paired_z_at
+
+    moments = row.get("excess_moments")
+    if not moments:
+        return None
+    atol = row.get("excess_atol") or 0.0
+    for values in moments.values():
+        entry = dict(zip(MOMENTS, values))
+        z = paired_z_at(entry, ratio, atol)
+        if excess_verdict(True, entry["candidate_mean"], entry["reference_mean"], z, ratio=ratio, atol=atol,
+                          z_limit=EXCESS_Z, ratio_alone=EXCESS_RATIO_ALONE)[1]:
+            return True
+    return False
 
 
 def _mean_delta(report) -> float | None:
@@ -291,6 +316,10 @@ def worker(args) -> int:
                                    excess_positions={k: v["positions"] for k, v in excess.items() if v["judged"]},
                                    excess_z={k: v.get("paired_z") for k, v in excess.items() if v["judged"]},
                                    excess_over_ratio=sorted(k for k, v in excess.items() if v.get("over_ratio")),
+                                   # what the excess test at another ratio limit would say of this run (limit_lines)
+                                   excess_moments={k: [v[f] for f in MOMENTS] for k, v in excess.items()
+                                                   if v["judged"]},
+                                   excess_atol=report.meta.get("excess", {}).get("atol"),
                                    digest=_digest(report), oracle_weights=oracle.weights_mode(),
                                    **({"routing_allowance": report.meta["routing_allowance"]}
                                       if "routing_allowance" in report.meta else {}))
@@ -518,9 +547,52 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
             else [],
             # a survivor's effect where it differs, in units of the clean engine's own error on the same run
             "beside_clean": beside_clean(differ, clean) if outcome == "survived" else {},
+            # a survivor: would the excess test at a lower ratio limit kill it (None: not known from these rows)
+            "excess_kills_at": {f"{x:g}": _any_known([excess_fails_at(r, x) for r in mine])
+                                for x in LOWER_LIMITS} if outcome == "survived" else {},
         }
     out["live"] = any(out[d]["outcome"] in ("killed", "survived") for d in dtypes)
     return out
+
+
+def _any_known(values: list[bool | None]) -> bool | None:
+    """True if any is True; else None if any is None (not known); else False."""
+    return True if True in values else None if None in values else False
+
+
+def limit_lines(clean: list[dict], mutants: list[dict], dtypes: list[str]) -> list[str]:
+    """What lower excess ratio limits would do on these runs: per dtype that recorded excess_moments, the clean runs
+    each would fail (false failures) and the survivors each would kill, beside the kill rate that would give (a
+    lower limit kills whatever the present one kills, so only survivors can change). A trade-off to weigh, not a
+    verdict: the limit stays compare's EXCESS_RATIO."""
+    from harness.compare import EXCESS_RATIO
+
+    lines = []
+    for d in dtypes:
+        runs, known = {}, {}         # per seed and scenario (a repeat of seed 0 has its numbers, and may be newer)
+        for r in clean:
+            if r["dtype"] == d and r.get("verdict") == "PASS":
+                key = (r.get("seed"), r["scenario"])
+                runs.setdefault(key, r)
+                if excess_fails_at(r, EXCESS_RATIO) is not None:
+                    known.setdefault(key, r)
+        known = list(known.values())
+        survivors = [m for m in mutants if m[d]["outcome"] == "survived"]
+        if not known:
+            continue
+        killed = sum(m[d]["outcome"] == "killed" for m in mutants)
+        decided = killed + len(survivors)
+        lines += ["", f"### Lower excess ratio limits, {d} (weighed on these runs; the limit stays {EXCESS_RATIO:g})",
+                  "", f"Clean runs with the class moments: {len(known)} of {len(runs)}; survivors: {len(survivors)}.",
+                  "", "| ratio limit | clean runs failed | survivors killed | survivors not known | kill rate |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for x in LOWER_LIMITS:
+            failed = sum(bool(excess_fails_at(r, x)) for r in known)
+            verdicts = [m[d].get("excess_kills_at", {}).get(f"{x:g}") for m in survivors]
+            more = sum(v is True for v in verdicts)
+            rate = f"{100 * (killed + more) / decided:.0f}%" if decided else "-"
+            lines.append(f"| {x:g} | {failed} | {more} | {sum(v is None for v in verdicts)} | {rate} |")
+    return lines
 
 
 def unstable(clean: list[dict]) -> list[tuple[str, str]]:
@@ -594,6 +666,7 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
                      + (f" ({100 * counts['killed'] / decided:.0f}%)" if decided else "")
                      + f"; {counts['not live']} not live; {counts['undetermined']} undetermined, "
                        f"{counts['incomplete']} incomplete, {counts['not run']} not run (none of these counted)")
+    lines += limit_lines(clean, mutants, dtypes)
     varying = unstable(clean)
     if varying:
         lines += ["", "The clean engine's two seed-0 runs differ (not bit-reproducible) in: "

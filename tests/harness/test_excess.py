@@ -204,3 +204,50 @@ def test_the_report_says_which_excess_rule_judged(value, expected, g1_checkpoint
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["excess_z"] == expected and report["scenarios"][0]["excess"]["z_limit"] == expected
 
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.1, 1.25, 1.5, 2.0])
+def test_the_paired_z_at_any_ratio_comes_from_a_classs_moments_as_from_its_positions(ratio):
+    """excess_table keeps each class's variances and covariance, so that another ratio limit can be weighed on runs
+    already made (mutants.scale's lower limits): the z from them is paired_z on the positions themselves."""
+    from harness.compare import paired_z, paired_z_at
+
+    gen = torch.Generator().manual_seed(7)
+    ref = (0.05 + 0.3 * torch.rand(200, generator=gen, dtype=torch.float64)).tolist()
+    cand = [r * (1.2 + 0.4 * float(u)) for r, u in zip(ref, torch.rand(200, generator=gen, dtype=torch.float64))]
+    n = len(cand)
+    cm, rm = sum(cand) / n, sum(ref) / n
+    row = {"positions": n, "candidate_mean": cm, "reference_mean": rm,
+           "candidate_var": sum((c - cm) ** 2 for c in cand) / (n - 1),
+           "reference_var": sum((r - rm) ** 2 for r in ref) / (n - 1),
+           "covariance": sum((c - cm) * (r - rm) for c, r in zip(cand, ref)) / (n - 1)}
+    assert paired_z_at(row, ratio, 1e-5) == pytest.approx(paired_z(cand, ref, ratio, 1e-5), rel=1e-9)
+    # every class of a judged report carries the moments, and at the report's own ratio they give its paired_z
+    table = _judge(lambda p: 1.0 + 0.8 * (p % 3)).meta["excess"]["classes"]
+    for name, entry in table.items():
+        if entry["positions"] >= 2:
+            assert paired_z_at(entry, EXCESS_RATIO, 0.0) == pytest.approx(entry["paired_z"], rel=1e-9, abs=1e-9), name
+
+
+def test_the_paired_z_at_a_ratio_is_none_or_infinite_where_paired_z_is():
+    from harness.compare import paired_z_at
+
+    one = {"positions": 1, "candidate_mean": 0.2, "reference_mean": 0.1, "candidate_var": 0.0, "reference_var": 0.0,
+           "covariance": 0.0}
+    assert paired_z_at(one, 1.5, 0.0) is None
+    constant = dict(one, positions=2)                           # every difference 0.2 - r·0.1: no spread
+    assert paired_z_at(constant, 1.5, 0.0) == float("inf") and paired_z_at(constant, 3.0, 0.0) == float("-inf")
+    assert paired_z_at(constant, 2.0, 0.0) == 0.0
+
+
+def test_the_excess_verdict_is_over_the_ratio_and_then_the_z_or_the_ratio_alone():
+    from harness.compare import excess_verdict
+
+    common = dict(ratio=1.5, atol=0.0, z_limit=3.0, ratio_alone=2.0)
+    assert excess_verdict(True, 0.14, 0.1, 5.0, **common) == (False, False)          # under the limit
+    assert excess_verdict(True, 0.16, 0.1, 2.0, **common) == (True, False)           # over it, z too small
+    assert excess_verdict(True, 0.16, 0.1, 3.5, **common) == (True, True)            # z over 3
+    assert excess_verdict(True, 0.21, 0.1, 0.5, **common) == (True, True)            # over 2x whatever z
+    assert excess_verdict(True, 0.16, 0.1, None, **common) == (True, True)           # z not defined
+    assert excess_verdict(False, 0.5, 0.1, 9.0, **common) == (False, False)          # not judged
+    assert excess_verdict(True, 0.16, 0.1, 0.0, **dict(common, z_limit=None)) == (True, True)   # the ratio alone

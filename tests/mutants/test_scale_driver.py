@@ -744,6 +744,9 @@ def test_oracle_memory_streams_the_workers_reference_models_with_the_same_verdic
     assert rows["streamed"]["verdict"] == rows["resident"]["verdict"] == "PASS"
     assert rows["streamed"]["digest"] == rows["resident"]["digest"]
     assert rows["streamed"]["budget"] == rows["resident"]["budget"]
+    # fp32 has no excess test (so no class moments), and its mean |Δ| is over every compared position
+    resident = rows["resident"]
+    assert resident["excess_moments"] == {} and 0 < resident["mean_delta"] <= resident["max_delta"]
 
 
 def test_oracle_memory_is_passed_to_every_worker_and_a_bad_size_is_a_usage_error(tmp_path, monkeypatch, capsys):
@@ -840,3 +843,88 @@ def test_a_runs_mean_delta_is_over_every_compared_position():
     report = SimpleNamespace(comparisons=[SimpleNamespace(deltas=[0.1, 0.3]), SimpleNamespace(deltas=[0.5])])
     assert _mean_delta(report) == pytest.approx(0.3)
     assert _mean_delta(SimpleNamespace(comparisons=[SimpleNamespace(deltas=[])])) is None
+
+
+def _moments_row(scenario, digest, *, cand, ref, n=2000, sd=0.05, corr=0.5, **extra):
+    """A bf16 row whose "all" class has n positions, these means, both errors' sd `sd` and correlation `corr`."""
+    cov = corr * sd * sd
+    return dict(_row(scenario, "bfloat16", "PASS", digest, excess={"all": cand / ref}),
+                excess_moments={"all": [n, cand, ref, sd * sd, sd * sd, cov]}, excess_atol=1e-5, **extra)
+
+
+def test_a_lower_excess_limit_is_weighed_on_the_runs_moments():
+    """excess_fails_at: the excess test at another ratio limit, from a row's class moments (the paired z as compare
+    computes it, and the ratio-alone bound); None for a row without them."""
+    from mutants.scale import excess_fails_at
+
+    row = _moments_row("s", "m", cand=0.135, ref=0.1)         # 1.35x the reference over 2000 positions
+    # sd of d = c - x·r: sqrt(0.0025 (1 + x² - x)); at 1.3: 0.0025·1.39 -> sd 0.0589, se 0.00132, z = 0.005/0.00132
+    assert excess_fails_at(row, 1.3) is True and excess_fails_at(row, 1.25) is True
+    assert excess_fails_at(row, 1.4) is False and excess_fails_at(row, 1.5) is False
+    assert excess_fails_at(_moments_row("s", "m", cand=0.135, ref=0.1, n=40), 1.3) is False   # z 0.54 on 40
+    assert excess_fails_at(_moments_row("s", "m", cand=0.21, ref=0.1, n=40), 1.3) is True     # over 2x
+    assert excess_fails_at(_row("s", "bfloat16", "PASS", "m"), 1.3) is None
+
+
+def test_the_table_weighs_lower_excess_limits_by_clean_failures_and_survivors_killed():
+    from mutants.scale import LOWER_LIMITS
+
+    clean = [_moments_row("s", "aaa", cand=0.1, ref=0.1), _moments_row("t", "ttt", cand=0.118, ref=0.1)]
+    drowned = summarise("drowned", [_moments_row("s", "d1", cand=0.135, ref=0.1),
+                                    _moments_row("t", "d2", cand=0.128, ref=0.1)], clean, ["bfloat16"])
+    rounding = summarise("rounding", [_moments_row("s", "r1", cand=0.101, ref=0.1),
+                                      _moments_row("t", "ttt", cand=0.118, ref=0.1)], clean, ["bfloat16"])
+    old = summarise("old", [_row("s", "bfloat16", "PASS", "o1"), _row("t", "bfloat16", "PASS", "o2")], clean,
+                    ["bfloat16"])
+    killed = summarise("killed", [dict(_row("s", "bfloat16", "FAIL", "k1"), checks=["logprob"])], clean,
+                       ["bfloat16"])
+    assert drowned["bfloat16"]["excess_kills_at"] == {"1.4": False, "1.3": True, "1.25": True, "1.2": True,
+                                                      "1.1": True}
+    assert not any(rounding["bfloat16"]["excess_kills_at"][f"{x:g}"] for x in (1.4, 1.3, 1.25, 1.2))
+    assert rounding["bfloat16"]["excess_kills_at"]["1.1"] is True           # 1.18x on 2000 positions
+    assert set(old["bfloat16"]["excess_kills_at"].values()) == {None}
+    assert killed["bfloat16"]["excess_kills_at"] == {}
+    text = table(clean, [drowned, rounding, old, killed], {}, ["bfloat16"])
+    assert "### Lower excess ratio limits, bfloat16 (weighed on these runs; the limit stays 1.5)" in text
+    assert "Clean runs with the class moments: 2 of 2; survivors: 3." in text
+    assert "| 1.4 | 0 | 0 | 1 | 25% |" in text                   # 1 killed of 4 live
+    assert "| 1.3 | 0 | 1 | 1 | 50% |" in text
+    assert "| 1.1 | 1 | 2 | 1 | 75% |" in text                   # the clean run at 1.18x fails there too
+    section = text.split("### Lower excess ratio limits")[1]
+    assert [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| 1")] == \
+        [f"| {x:g}" for x in LOWER_LIMITS]
+    # a repeat of seed 0 holds its numbers: its moments count where the first run's row has none (written before)
+    repeat = [_row("s", "bfloat16", "PASS", "aaa"), dict(clean[0], repeat=True), _row("t", "bfloat16", "PASS", "t")]
+    assert "Clean runs with the class moments: 1 of 2; survivors: 3." in table(repeat, [drowned, rounding, old,
+                                                                                       killed], {}, ["bfloat16"])
+    # rows without moments (an earlier measurement's) give no such table
+    assert "Lower excess ratio limits" not in table([_row("s", "bfloat16", "PASS", "aaa")], [old], {}, ["bfloat16"])
+
+
+@pytest.mark.gpu
+def test_a_workers_16_bit_row_carries_the_class_moments_and_its_mean_delta(tmp_path):
+    """What the lower-limit table and a survivor's effect are computed from, as a real worker writes it: at the
+    run's own limit the moments give the row's paired z and ratio. (bf16 on a GPU: the Triton interpreter runs
+    float32 only.)"""
+    import json
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the vendored engine in bf16)")
+
+    from harness.compare import EXCESS_RATIO, paired_z_at
+    from mutants.scale import MOMENTS, main
+
+    results = tmp_path / "bf16.jsonl"
+    assert main(["--worker", "--checkpoint", "fixtures/tiny-bamba", "--scenarios", "batching-together",
+                 "--dtypes", "bfloat16", "--device", "cuda", "--results", str(results)]) == 0
+    row = json.loads(results.read_text().splitlines()[0])
+    assert row["verdict"] == "PASS", row
+    assert row["excess_moments"] and set(row["excess_moments"]) == set(row["excess"])
+    assert row["excess_atol"] is not None and 0 < row["mean_delta"] <= row["max_delta"]
+    for name, values in row["excess_moments"].items():
+        entry = dict(zip(MOMENTS, values))
+        assert entry["candidate_mean"] / entry["reference_mean"] == pytest.approx(row["excess"][name])
+        assert entry["positions"] == row["excess_positions"][name]
+        assert paired_z_at(entry, EXCESS_RATIO, row["excess_atol"]) == pytest.approx(row["excess_z"][name])
