@@ -12,9 +12,9 @@ happens to cancel, and a per-position budget would reject a correct engine there
 property of the model and the dtype, and the max over a request's 5-30 positions is still a noisy sample of it:
 measured on 5 random G = 1 checkpoints (tests/helpers.py, seeds 0-4) × 3 workloads, transformers' largest error on a
 request reached 2.9× (bf16) and 3.2× (fp32) the reference's largest error on that same request, but only 1.8× / 2.0×
-the largest over the workload (at 32 trained layers, deep-bamba on the CPU, 2.9× in 5 of 400 runs: a false-failure
-rate near 1% of runs there, docs/scale.md). A workload of fewer than MIN_BUDGET_POSITIONS positions (harness/runner.py) takes E
-over the model's batching workload too, since its own max is a request-sized sample. The max (not a quantile)
+the largest over the workload (at 32 trained layers, deep-bamba on the CPU, 2.9× in 5 of 400 runs: a
+false-failure rate near 1% of runs there, docs/scale.md). A workload of fewer than MIN_BUDGET_POSITIONS positions
+(harness/runner.py) takes E over the model's batching workload too, since its own max is a request-sized sample. The max (not a quantile)
 guarantees that the reference in d passes its own budget at k >= 1; k = 2 leaves room for an engine that rounds in other places (fused kernels, chunked scan, another summation
 order) without hiding errors several times what the dtype itself causes.
 
@@ -71,7 +71,7 @@ ratio alone failed one correct run in 160 on a trained 32-layer model (1.70× on
 positions set the mean; docs/scale.md); a bug that raises the error over a whole class moves every d, so its z grows
 with the class's size; and a bug whose excess sits on a few positions can be large with a small z (6.2× at z 2.9 on
 that model), which the second bound fails. The ratio alone stays available (NoiseFloor.z_limit None, `--excess-z
-none`), and each class reports both verdicts, and its variances and covariance, from which paired_z_at gives its z
+none`). Each class reports both verdicts, and its variances and covariance, from which paired_z_at gives its z
 against another ratio (how mutants.scale weighs a lower limit on runs already made). The
 boundaries are those of the scheduler plan of harness/schedule.py (exact for the vendored engine, the closest
 model of others'). Its threshold and false-failure rate are measured on real-width models (docs/scale.md).
@@ -196,6 +196,16 @@ def excess_verdict(judged: bool, cand_mean: float, ref_mean: float, z: float | N
     failed = over_ratio and (z_limit is None or z is None or not z <= z_limit
                              or not cand_mean <= ratio_alone * ref_mean + atol)
     return over_ratio, failed
+
+
+def excess_verdict_at(entry: dict, ratio: float, atol: float) -> tuple[bool, bool, float | None]:
+    """(over_ratio, failed, paired z) of a judged excess_table class at another ratio limit, from its means and
+    moments (paired_z_at), with compare's z limit and ratio-alone bound: how a lower limit is weighed on runs already
+    made."""
+    z = paired_z_at(entry, ratio, atol)
+    over_ratio, failed = excess_verdict(True, entry["candidate_mean"], entry["reference_mean"], z, ratio=ratio,
+                                        atol=atol, z_limit=EXCESS_Z, ratio_alone=EXCESS_RATIO_ALONE)
+    return over_ratio, failed, z
 
 
 def _moments(cand: Sequence[float], ref: Sequence[float], cand_mean: float, ref_mean: float) -> dict[str, float]:

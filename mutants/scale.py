@@ -161,19 +161,13 @@ def excess_fails_at(row: dict, ratio: float) -> bool | None:
     """Whether the excess test with its ratio limit at `ratio` (the paired z and the ratio-alone bound as compare
     has them) fails one of the run's judged classes; None when the row has no excess_moments (a row written before
     they were recorded, or a dtype without the excess test)."""
-    from harness.compare import EXCESS_RATIO_ALONE, EXCESS_Z, excess_verdict, paired_z_at
+    from harness.compare import excess_verdict_at
 
     moments = row.get("excess_moments")
     if not moments:
         return None
     atol = row.get("excess_atol") or 0.0
-    for values in moments.values():
-        entry = dict(zip(MOMENTS, values))
-        z = paired_z_at(entry, ratio, atol)
-        if excess_verdict(True, entry["candidate_mean"], entry["reference_mean"], z, ratio=ratio, atol=atol,
-                          z_limit=EXCESS_Z, ratio_alone=EXCESS_RATIO_ALONE)[1]:
-            return True
-    return False
+    return any(excess_verdict_at(dict(zip(MOMENTS, values)), ratio, atol)[1] for values in moments.values())
 
 
 def _mean_delta(report) -> float | None:

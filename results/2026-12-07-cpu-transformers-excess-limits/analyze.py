@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from harness.compare import EXCESS_RATIO_ALONE, EXCESS_Z, excess_verdict, paired_z_at
+from harness.compare import excess_verdict_at
 from mutants.scale import LOWER_LIMITS
 
 p = argparse.ArgumentParser()
@@ -48,9 +48,7 @@ if classes:
     for x in (1.5, *LOWER_LIMITS):
         over, bad = [], set()
         for c in classes:
-            z = paired_z_at(c, x, c["atol"])
-            over_ratio, fails = excess_verdict(True, c["candidate_mean"], c["reference_mean"], z, ratio=x,
-                                               atol=c["atol"], z_limit=EXCESS_Z, ratio_alone=EXCESS_RATIO_ALONE)
+            over_ratio, fails, z = excess_verdict_at(c, x, c["atol"])
             if over_ratio:
                 over.append((z, c))
             if fails:
