@@ -281,6 +281,20 @@ class Budget:
             return self.value + self.allowance(request_id, position)
         return self.k * max(self.floor, row[position - 1]) + self.atol + self.allowance(request_id, position)
 
+    def k_to_pass(self, request_id: str, position: int, delta: float) -> float:
+        """The smallest k at which |Δ| = delta at this position is within its budget, the rest of the budget (atol,
+        a routing allowance, the reference's error it scales) as it is: 0 when delta is within atol and allowance,
+        inf when no k would do (an exact baseline's 0 scale, or a NaN)."""
+        rest = self.atol + self.allowance(request_id, position)
+        if delta <= rest:
+            return 0.0
+        row = None if self.positions is None else self.positions.get(request_id)
+        if row is None or not 1 <= position <= len(row) or math.isnan(row[position - 1]):
+            scale = self.reference_error
+        else:
+            scale = max(self.floor, row[position - 1])
+        return (delta - rest) / scale if scale > 0 and math.isfinite(delta) else math.inf
+
     def allowance(self, request_id: str, position: int) -> float:
         """The routing near-tie allowance of one position (0 where there is none)."""
         row = None if self.routing is None else self.routing.get(request_id)
@@ -336,6 +350,7 @@ class RequestComparison:
     kls: list[float] = field(default_factory=list)
     top1_agree: list[bool] = field(default_factory=list)
     token_divergence: int | None = None
+    token_margin: float | None = None     # at token_divergence: the baseline's logprob of its token over the other's
     not_compared: list[int] = field(default_factory=list)
 
     @property
@@ -521,6 +536,12 @@ def compare_runs(*, scenario: str, requests: Sequence[Request], baseline: Sequen
         # position's |Δ| is against that budget, not against `budget` alone, which a trade at a tie exceeds by far
         ratios = [d / budget.at(c.request_id, p) for c in comparisons for p, d in zip(c.positions, c.deltas)]
         meta["max_delta_over_position_budget"] = max(ratios, default=0.0)
+    # how far the run is from passing the checks a larger k widens (logprob and token; a shape or excess failure
+    # is k's no matter): the smallest k at which none of them fails, the rest of the budget as it is
+    meta["k_to_pass"] = max([budget.k_to_pass(c.request_id, p, d) for c in comparisons
+                             for p, d in zip(c.positions, c.deltas)]
+                            + [budget.k_to_pass(c.request_id, c.token_divergence, c.token_margin)
+                               for c in comparisons if c.token_margin is not None], default=0.0)
     if noise is not None:
         table = excess_table(comparisons, noise)
         meta["excess"] = {"dtype": noise.dtype, "ratio_limit": noise.ratio, "z_limit": noise.z_limit,
@@ -586,6 +607,7 @@ def _compare_request(scenario: str, req: Request, base_result: RequestResult, ca
     out.token_divergence = row + 1
     b_token, c_token = base_result.output_ids[split], cand_result.output_ids[split]
     b_lp, c_lp_base = float(base.logprobs[row]), base.logprob_of(row, c_token)
+    out.token_margin = b_lp - c_lp_base
     budget = budget_at(row + 1)
     if not b_lp - c_lp_base <= budget:
         detail = ""

@@ -585,6 +585,7 @@ def judged_by_rules(judge: Callable[[Budget], Report], budget: Budget, requests:
                                    "first_failure": r.failures[0].message()[:300] if r.failures else "",
                                    "budget": r.meta["budget"],
                                    **({"budget_floor": r.meta["budget_floor"]} if "budget_floor" in r.meta else {}),
+                                   "k_to_pass": r.meta.get("k_to_pass"),
                                    "max_delta_over_position_budget": r.meta.get(
                                        "max_delta_over_position_budget", r.max_delta / r.meta["budget"]
                                        if r.meta["budget"] else math.inf)}

@@ -155,6 +155,26 @@ def _digest(report) -> str:
 
 MOMENTS = ("positions", "candidate_mean", "reference_mean", "candidate_var", "reference_var", "covariance")
 LOWER_LIMITS = (1.4, 1.3, 1.25, 1.2, 1.1)    # excess ratio limits below compare's EXCESS_RATIO weighed in the table
+LARGER_K = (2.5, 3.0, 4.0)                  # budget multipliers above the default k weighed in the table
+
+
+def fails_at_k(row: dict, k: float, rule: str = "max") -> bool | None:
+    """Whether a run judged by `rule` would fail with the budget's k at `k` (above the k it was judged at): a
+    failure k does not widen (an engine that raised, a shape or excess failure) stays; a logprob or token failure
+    stays where the run's k_to_pass exceeds k. None when the row has no k_to_pass (recorded before it was) and
+    failed by a check k widens; a run that passed passes at any larger k."""
+    if row.get("verdict") == "ERROR":
+        return True
+    if row.get("verdict") == "SKIP":
+        return False
+    judged = as_rule(row, rule)
+    checks = set(judged.get("checks", []))
+    if checks - {"logprob", "token"}:
+        return True
+    if not checks:
+        return False
+    needed = judged.get("k_to_pass")
+    return None if needed is None else needed > k
 
 
 def excess_fails_at(row: dict, ratio: float) -> bool | None:
@@ -314,6 +334,7 @@ def worker(args) -> int:
                                    excess_moments={k: [v[f] for f in MOMENTS] for k, v in excess.items()
                                                    if v["judged"]},
                                    excess_atol=report.meta.get("excess", {}).get("atol"),
+                                   k_to_pass=report.meta.get("k_to_pass"),      # larger_k_lines weighs k on it
                                    digest=_digest(report), oracle_weights=oracle.weights_mode(),
                                    **({"routing_allowance": report.meta["routing_allowance"]}
                                       if "routing_allowance" in report.meta else {}))
@@ -323,7 +344,7 @@ def worker(args) -> int:
                             row["rules"] = {rule: dict(
                                 verdict="PASS" if v["passed"] else "FAIL", checks=v["checks"],
                                 first_failure=v["first_failure"], budget=v["budget"],
-                                delta_over_budget=v["max_delta_over_position_budget"],
+                                delta_over_budget=v["max_delta_over_position_budget"], k_to_pass=v.get("k_to_pass"),
                                 **({"budget_floor": v["budget_floor"]} if "budget_floor" in v else {}))
                                 for rule, v in report.meta["rules"].items()}
                     except ScenarioSkipped as skip:
@@ -511,6 +532,7 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
         killed = [r for r in mine if r["verdict"] in ("FAIL", "ERROR")]
         noise = [r for r in clean if r["dtype"] == dtype and r["verdict"] == "PASS"]
         missing = expected - {r["scenario"] for r in mine}
+        missing_after_kill = bool(missing)              # a kill stops a dtype's runs; at a larger k they might fail
         differ = [r for r in mine if r.get("digest") not in digests.get((r["scenario"], dtype), set())]
         stable_differ = [r for r in differ if len(digests.get((r["scenario"], dtype), ())) <= 1]
         if killed:
@@ -544,6 +566,11 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
             # a survivor: would the excess test at a lower ratio limit kill it (None: not known from these rows)
             "excess_kills_at": {f"{x:g}": _any_known([excess_fails_at(r, x) for r in mine])
                                 for x in LOWER_LIMITS} if outcome == "survived" else {},
+            # a kill: would the max rule with a larger k still make it (None: not known from these rows, or the
+            # scenarios a kill left unrun might)
+            "kills_at_k": {f"{k:g}": (lambda v: True if True in v else None if None in v or missing_after_kill
+                                      else False)([fails_at_k(r, k) for r in mine])
+                           for k in LARGER_K} if outcome == "killed" else {},
         }
     out["live"] = any(out[d]["outcome"] in ("killed", "survived") for d in dtypes)
     return out
@@ -586,6 +613,32 @@ def limit_lines(clean: list[dict], mutants: list[dict], dtypes: list[str]) -> li
             more = sum(v is True for v in verdicts)
             rate = f"{100 * (killed + more) / decided:.0f}%" if decided else "-"
             lines.append(f"| {x:g} | {failed} | {more} | {sum(v is None for v in verdicts)} | {rate} |")
+    return lines
+
+
+def larger_k_lines(clean: list[dict], mutants: list[dict], dtypes: list[str]) -> list[str]:
+    """What a larger k of the max rule would do on these runs: per dtype that recorded k_to_pass, the clean runs each
+    would fail and the kills each would keep, beside the kill rate that would give (a larger k kills nothing the
+    present one spares, so only kills can change). A trade-off to weigh, not a verdict."""
+    lines = []
+    for d in dtypes:
+        runs = [r for r in clean if r["dtype"] == d and not r.get("repeat") and r.get("verdict") != "SKIP"]
+        known = [r for r in runs if fails_at_k(r, max(LARGER_K)) is not None]
+        killed = [m for m in mutants if m[d]["outcome"] == "killed"]
+        decided = len(killed) + sum(m[d]["outcome"] == "survived" for m in mutants)
+        if not any(as_rule(r, "max").get("k_to_pass") is not None for r in runs):
+            continue
+        lines += ["", f"### Larger k, max rule, {d} (weighed on these runs)", "",
+                  f"Clean runs: {len(known)} of {len(runs)} known; kills: {len(killed)}.", "",
+                  "| k | clean runs failed | kills kept | kills lost | kills not known | kill rate at least |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for k in LARGER_K:
+            failed = sum(bool(fails_at_k(r, k)) for r in known)
+            verdicts = [m[d].get("kills_at_k", {}).get(f"{k:g}") for m in killed]
+            kept = sum(v is True for v in verdicts)
+            rate = f"{100 * kept / decided:.0f}%" if decided else "-"
+            lines.append(f"| {k:g} | {failed} | {kept} | {sum(v is False for v in verdicts)} | "
+                         f"{sum(v is None for v in verdicts)} | {rate} |")
     return lines
 
 
@@ -661,6 +714,7 @@ def table(clean: list[dict], mutants: list[dict], skipped: dict[str, str], dtype
                      + f"; {counts['not live']} not live; {counts['undetermined']} undetermined, "
                        f"{counts['incomplete']} incomplete, {counts['not run']} not run (none of these counted)")
     lines += limit_lines(clean, mutants, dtypes)
+    lines += larger_k_lines(clean, mutants, dtypes)
     varying = unstable(clean)
     if varying:
         lines += ["", "The clean engine's two seed-0 runs differ (not bit-reproducible) in: "

@@ -217,3 +217,84 @@ def test_top_k_kl_uses_shared_tokens_and_one_bucket_for_the_rest():
 def test_budget_is_k_times_the_reference_error_plus_atol():
     assert Budget(2.0, 1e-6, 1e-4).value == pytest.approx(2.01e-4)
     assert Budget(2.0, 1e-10).value == 1e-10
+
+
+# ---- k_to_pass: how far a run is from passing the checks a larger k widens -----------------------------------------
+def _rejudged(report_k: float, rows, out, cand, cand_out, *, rerun=None, budget=BUDGET):
+    """The same runs judged with k just above and just below report_k (the rest of the budget as it is)."""
+    def at(k):
+        b = Budget(k=k, atol=budget.atol, reference_error=budget.reference_error, floor=budget.floor,
+                   positions=budget.positions)
+        return judge(rows, out, cand.clone(), list(cand_out), rerun=rerun, budget=b)
+    return at(report_k * (1 + 1e-9)), at(report_k * (1 - 1e-6))
+
+
+@pytest.mark.parametrize("delta", [3e-4, 1.5e-4, 2e-3])
+def test_k_to_pass_is_the_k_at_which_a_logprob_failure_would_pass(delta):
+    rows, out = stream()
+    cand = rows.clone()
+    cand[2, PROMPT[3]] += delta
+    report = judge(rows, out, cand, list(out))
+    needed = report.meta["k_to_pass"]
+    assert needed == pytest.approx((delta - BUDGET.atol) / BUDGET.reference_error, rel=1e-9)
+    assert report.passed == (needed <= BUDGET.k)
+    above, below = _rejudged(needed, rows, out, cand, out)
+    assert above.passed and [f.what for f in below.failures] == ["logprob"]
+
+
+def test_k_to_pass_of_identical_streams_is_0_and_of_a_nan_is_inf():
+    rows, out = stream()
+    assert judge(rows, out, rows.clone(), list(out)).meta["k_to_pass"] == 0.0
+    cand = rows.clone()
+    cand[2, PROMPT[3]] = float("nan")
+    assert judge(rows, out, cand, list(out)).meta["k_to_pass"] == math.inf
+
+
+@pytest.mark.parametrize("margin", [5e-5, 1.0])
+def test_k_to_pass_counts_a_token_failures_margin(margin):
+    rows, out = stream(margins={1: margin})
+    cand_out = [out[0], (len(PROMPT) + 1) % V, 0]
+    report = judge(rows, out, rows.clone(), cand_out, rerun=forced_rerun(rows.clone()))
+    comparison = report.comparisons[0]
+    assert comparison.token_margin == pytest.approx(margin, rel=1e-9)
+    needed = report.meta["k_to_pass"]
+    assert needed == pytest.approx(max(0.0, (margin - BUDGET.atol) / BUDGET.reference_error), rel=1e-9)
+    above, below = _rejudged(needed, rows, out, rows, cand_out, rerun=forced_rerun(rows.clone()))
+    assert above.passed, above.message()
+    if needed > 0:
+        assert [f.what for f in below.failures] == ["token"]
+
+
+def test_k_to_pass_of_a_token_outside_the_near_list_is_inf():
+    rows, out = stream(margins={1: 1.0})
+    req = request(full=False, top_k=2)
+    last = int(rows[len(PROMPT)].argsort(descending=True)[-1])
+    report = compare_runs(scenario="synthetic", requests=[req], baseline=[_with_near(req, rows, out, 4)],
+                          candidate=[result_from_logprobs(req, rows.clone(), [out[0], last, 0])], budget=BUDGET)
+    assert report.meta["k_to_pass"] == math.inf
+
+
+def test_k_to_pass_under_the_quantile_rule_scales_each_positions_own_error():
+    rows, out = stream()
+    n = len(PROMPT) - 1 + N_NEW
+    errors = [1e-4] * n
+    errors[3] = 5e-4                                  # a chaotic position: its own error is its scale
+    budget = Budget(k=2.0, atol=1e-6, reference_error=5e-4, floor=1e-4, positions={"req-a": errors})
+    cand = rows.clone()
+    cand[1, PROMPT[2]] += 4e-4                        # a typical position: (4e-4 - atol) / 1e-4
+    cand[3, PROMPT[4]] += 1.2e-3                      # the chaotic one: (1.2e-3 - atol) / 5e-4, smaller
+    report = judge(rows, out, cand, list(out), budget=budget)
+    needed = report.meta["k_to_pass"]
+    assert needed == pytest.approx((4e-4 - 1e-6) / 1e-4, rel=1e-9)
+    above, below = _rejudged(needed, rows, out, cand, out, budget=budget)
+    assert above.passed and [f.position for f in below.failures] == [2]
+
+
+def test_budget_k_to_pass_per_position():
+    budget = Budget(2.0, 1e-5, reference_error=4.0, floor=0.5, positions={"a": [0.1, 3.0, float("nan")]})
+    assert budget.k_to_pass("a", 1, 1e-5) == 0.0                          # within atol
+    assert budget.k_to_pass("a", 1, 1.0 + 1e-5) == pytest.approx(2.0)     # the floor scales a typical position
+    assert budget.k_to_pass("a", 2, 6.0 + 1e-5) == pytest.approx(2.0)     # its own error a chaotic one
+    assert budget.k_to_pass("a", 3, 8.0 + 1e-5) == pytest.approx(2.0)     # NaN: the max rule's scale
+    assert budget.k_to_pass("a", 1, math.inf) == math.inf
+    assert Budget(2.0, 1e-10, 0.0).k_to_pass("a", 1, 1e-9) == math.inf   # an exact baseline: no k will do

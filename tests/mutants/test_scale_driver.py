@@ -747,6 +747,12 @@ def test_oracle_memory_streams_the_workers_reference_models_with_the_same_verdic
     # fp32 has no excess test (so no class moments), and its mean |Δ| is over every compared position
     resident = rows["resident"]
     assert resident["excess_moments"] == {} and 0 < resident["mean_delta"] <= resident["max_delta"]
+    # what the larger-k table weighs: under the max rule the largest |Δ| sets it, (max |Δ| - atol) / E, with the
+    # budget 2·E + atol (0 where every |Δ| is within atol); a passing run needs no more than its own k
+    atol = 1e-5
+    scale = (resident["budget"] - atol) / 2.0
+    assert resident["k_to_pass"] == pytest.approx(max(0.0, (resident["max_delta"] - atol) / scale), abs=1e-12)
+    assert resident["k_to_pass"] <= 2.0
 
 
 def test_oracle_memory_is_passed_to_every_worker_and_a_bad_size_is_a_usage_error(tmp_path, monkeypatch, capsys):
@@ -928,3 +934,62 @@ def test_a_workers_16_bit_row_carries_the_class_moments_and_its_mean_delta(tmp_p
         assert entry["candidate_mean"] / entry["reference_mean"] == pytest.approx(row["excess"][name])
         assert entry["positions"] == row["excess_positions"][name]
         assert paired_z_at(entry, EXCESS_RATIO, row["excess_atol"]) == pytest.approx(row["excess_z"][name])
+    assert 0 < row["k_to_pass"] <= 2.0
+
+
+def _k_row(scenario, digest, verdict="PASS", *, k_to_pass=None, checks=(), dtype="bfloat16"):
+    row = _row(scenario, dtype, verdict, digest, checks=checks)
+    return row if k_to_pass is None else dict(row, k_to_pass=k_to_pass)
+
+
+def test_a_larger_k_is_weighed_on_each_runs_k_to_pass():
+    """fails_at_k: a logprob or token failure stays where the run needed more than that k; one k does not widen
+    (excess, shape, an engine that raised) stays at any k; a passing run passes; an older row is not known."""
+    from mutants.scale import fails_at_k
+
+    assert fails_at_k(_k_row("s", "a", "FAIL", k_to_pass=2.7, checks=["logprob"]), 2.5) is True
+    assert fails_at_k(_k_row("s", "a", "FAIL", k_to_pass=2.7, checks=["token"]), 3.0) is False
+    assert fails_at_k(_k_row("s", "a", "FAIL", k_to_pass=2.1, checks=["excess", "logprob"]), 4.0) is True
+    assert fails_at_k(_k_row("s", "a", "FAIL", k_to_pass=0.5, checks=["shape"]), 4.0) is True
+    assert fails_at_k(dict(_k_row("s", "a", "ERROR"), checks=["error"]), 4.0) is True
+    assert fails_at_k(_k_row("s", "a", k_to_pass=1.2), 2.5) is False
+    assert fails_at_k(_k_row("s", "a"), 2.5) is False                       # passed: passes at any larger k
+    assert fails_at_k(_k_row("s", "a", "FAIL", checks=["logprob"]), 2.5) is None
+    # a row judged by two rules is weighed by the max rule's verdict and k_to_pass
+    ruled = dict(_k_row("s", "a", "FAIL", k_to_pass=9.0, checks=["logprob"]),
+                 rules={"quantile": dict(verdict="FAIL", checks=["logprob"], k_to_pass=9.0),
+                        "max": dict(verdict="FAIL", checks=["token"], k_to_pass=2.6)})
+    assert fails_at_k(ruled, 2.5) is True and fails_at_k(ruled, 3.0) is False
+
+
+def test_the_table_weighs_a_larger_k_by_clean_failures_and_kills_kept():
+    from mutants.scale import LARGER_K
+
+    clean = [_k_row("s", "aaa", k_to_pass=1.1), _k_row("t", "ttt", k_to_pass=1.4),
+             _k_row("s", "bbb", "FAIL", k_to_pass=2.8, checks=["logprob"]) | {"seed": 1}]
+    far = summarise("far", [_k_row("s", "f1", "FAIL", k_to_pass=40.0, checks=["logprob"])], clean, ["bfloat16"])
+    near = summarise("near", [_k_row("s", "n1", "FAIL", k_to_pass=2.6, checks=["token"])], clean, ["bfloat16"])
+    near_all = summarise("near-all", [_k_row("s", "m1", "FAIL", k_to_pass=2.6, checks=["logprob"]),
+                                      _k_row("t", "m2", k_to_pass=1.9)], clean, ["bfloat16"])
+    excess = summarise("excess", [_k_row("s", "e1", "FAIL", k_to_pass=1.0, checks=["excess"])], clean,
+                       ["bfloat16"])
+    old = summarise("old", [_k_row("s", "o1", "FAIL", checks=["logprob"])], clean, ["bfloat16"])
+    survivor = summarise("survivor", [_k_row("s", "v1", k_to_pass=1.5), _k_row("t", "v2", k_to_pass=1.0)], clean,
+                         ["bfloat16"])
+    assert far["bfloat16"]["kills_at_k"] == {"2.5": True, "3": True, "4": True}
+    # killed in one scenario, the other not run: past its k_to_pass the other might have failed
+    assert near["bfloat16"]["kills_at_k"] == {"2.5": True, "3": None, "4": None}
+    assert near_all["bfloat16"]["kills_at_k"] == {"2.5": True, "3": False, "4": False}
+    assert excess["bfloat16"]["kills_at_k"] == {"2.5": True, "3": True, "4": True}
+    assert set(old["bfloat16"]["kills_at_k"].values()) == {None}
+    assert survivor["bfloat16"]["kills_at_k"] == {}
+    text = table(clean, [far, near, near_all, excess, old, survivor], {}, ["bfloat16"])
+    assert "### Larger k, max rule, bfloat16 (weighed on these runs)" in text
+    assert "Clean runs: 3 of 3 known; kills: 5." in text
+    assert "| 2.5 | 1 | 4 | 0 | 1 | 67% |" in text           # of 6 live: far, near, near-all, excess kept
+    assert "| 3 | 0 | 2 | 1 | 2 | 33% |" in text
+    section = text.split("### Larger k")[1]
+    assert [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| ") and "---" not in line
+            and not line.startswith("| k ")] == [f"| {k:g}" for k in LARGER_K]
+    # rows without k_to_pass (an earlier measurement's) give no such table
+    assert "### Larger k" not in table([_row("s", "bfloat16", "PASS", "aaa")], [old], {}, ["bfloat16"])
