@@ -161,8 +161,10 @@ LARGER_K = (2.5, 3.0, 4.0)                  # budget multipliers above the defau
 def fails_at_k(row: dict, k: float, rule: str = "max") -> bool | None:
     """Whether a run judged by `rule` would fail with the budget's k at `k` (above the k it was judged at): a
     failure k does not widen (an engine that raised, a shape or excess failure) stays; a logprob or token failure
-    stays where the run's k_to_pass exceeds k. None when the row has no k_to_pass (recorded before it was) and
-    failed by a check k widens; a run that passed passes at any larger k."""
+    stays where the run's k_to_pass exceeds k. A row recorded before k_to_pass was has it from its largest |Δ| when
+    logprob was its only failure under the max rule (one scale E for every position: (max |Δ| - atol) / E, E from
+    the budget k·E + atol at the default k and the dtype's atol; not where a routing allowance widened positions);
+    else None. A run that passed passes at any larger k."""
     if row.get("verdict") == "ERROR":
         return True
     if row.get("verdict") == "SKIP":
@@ -174,7 +176,21 @@ def fails_at_k(row: dict, k: float, rule: str = "max") -> bool | None:
     if not checks:
         return False
     needed = judged.get("k_to_pass")
+    if needed is None:
+        needed = _k_from_largest_delta(judged, checks)
     return None if needed is None else needed > k
+
+
+def _k_from_largest_delta(row: dict, checks: set[str]) -> float | None:
+    """k_to_pass of a max-rule row that failed by logprob alone, from its largest |Δ| and budget (fails_at_k)."""
+    from harness.compare import ATOL, DEFAULT_K
+
+    atol = {str(d).removeprefix("torch."): v for d, v in ATOL.items()}.get(row.get("dtype"))
+    if (checks != {"logprob"} or "budget_floor" in row or atol is None or row.get("max_delta") is None
+            or not row.get("budget") or (row.get("routing_allowance") or {}).get("largest")):
+        return None
+    scale = (row["budget"] - atol) / DEFAULT_K
+    return (row["max_delta"] - atol) / scale if scale > 0 else None
 
 
 def excess_fails_at(row: dict, ratio: float) -> bool | None:
@@ -626,8 +642,9 @@ def larger_k_lines(clean: list[dict], mutants: list[dict], dtypes: list[str]) ->
         known = [r for r in runs if fails_at_k(r, max(LARGER_K)) is not None]
         killed = [m for m in mutants if m[d]["outcome"] == "killed"]
         decided = len(killed) + sum(m[d]["outcome"] == "survived" for m in mutants)
-        if not any(as_rule(r, "max").get("k_to_pass") is not None for r in runs):
-            continue
+        if not (any(as_rule(r, "max").get("k_to_pass") is not None for r in runs)
+                or any(v is not None for m in killed for v in m[d]["kills_at_k"].values())):
+            continue                            # nothing known: rows older than k_to_pass, no kill weighable
         lines += ["", f"### Larger k, max rule, {d} (weighed on these runs)", "",
                   f"Clean runs: {len(known)} of {len(runs)} known; kills: {len(killed)}.", "",
                   "| k | clean runs failed | kills kept | kills lost | kills not known | kill rate at least |",

@@ -954,7 +954,14 @@ def test_a_larger_k_is_weighed_on_each_runs_k_to_pass():
     assert fails_at_k(dict(_k_row("s", "a", "ERROR"), checks=["error"]), 4.0) is True
     assert fails_at_k(_k_row("s", "a", k_to_pass=1.2), 2.5) is False
     assert fails_at_k(_k_row("s", "a"), 2.5) is False                       # passed: passes at any larger k
-    assert fails_at_k(_k_row("s", "a", "FAIL", checks=["logprob"]), 2.5) is None
+    # an older row failed by logprob alone under the max rule: (max |Δ| - atol) over E = (budget - atol) / 2
+    old = dict(_k_row("s", "a", "FAIL", checks=["logprob"]), max_delta=0.3 + 1e-5 - 1e-9, budget=0.2 + 1e-5)
+    assert fails_at_k(old, 2.5) is True and fails_at_k(old, 3.0) is False
+    assert fails_at_k(dict(old, max_delta=0.3 + 1e-5 + 1e-9), 3.0) is True
+    assert fails_at_k(dict(old, checks=["logprob", "token"]), 2.5) is None          # a token margin unknown
+    assert fails_at_k(dict(old, budget_floor=0.05), 2.5) is None                   # the quantile rule's
+    assert fails_at_k(dict(old, routing_allowance={"positions": 1, "largest": 0.4}), 2.5) is None
+    assert fails_at_k(dict(old, dtype="float64"), 2.5) is True                     # fp64's atol, 1e-10
     # a row judged by two rules is weighed by the max rule's verdict and k_to_pass
     ruled = dict(_k_row("s", "a", "FAIL", k_to_pass=9.0, checks=["logprob"]),
                  rules={"quantile": dict(verdict="FAIL", checks=["logprob"], k_to_pass=9.0),
@@ -973,7 +980,7 @@ def test_the_table_weighs_a_larger_k_by_clean_failures_and_kills_kept():
                                       _k_row("t", "m2", k_to_pass=1.9)], clean, ["bfloat16"])
     excess = summarise("excess", [_k_row("s", "e1", "FAIL", k_to_pass=1.0, checks=["excess"])], clean,
                        ["bfloat16"])
-    old = summarise("old", [_k_row("s", "o1", "FAIL", checks=["logprob"])], clean, ["bfloat16"])
+    old = summarise("old", [_k_row("s", "o1", "FAIL", checks=["logprob", "token"])], clean, ["bfloat16"])
     survivor = summarise("survivor", [_k_row("s", "v1", k_to_pass=1.5), _k_row("t", "v2", k_to_pass=1.0)], clean,
                          ["bfloat16"])
     assert far["bfloat16"]["kills_at_k"] == {"2.5": True, "3": True, "4": True}
