@@ -161,10 +161,12 @@ LARGER_K = (2.5, 3.0, 4.0)                  # budget multipliers above the defau
 def fails_at_k(row: dict, k: float, rule: str = "max") -> bool | None:
     """Whether a run judged by `rule` would fail with the budget's k at `k` (above the k it was judged at): a
     failure k does not widen (an engine that raised, a shape or excess failure) stays; a logprob or token failure
-    stays where the run's k_to_pass exceeds k. A row recorded before k_to_pass was has it from its largest |Δ| when
-    logprob was its only failure under the max rule (one scale E for every position: (max |Δ| - atol) / E, E from
-    the budget k·E + atol at the default k and the dtype's atol; not where a routing allowance widened positions);
-    else None. A run that passed passes at any larger k."""
+    stays where the run's k_to_pass exceeds k. A row recorded before k_to_pass was has from its largest |Δ| what
+    its logprob failures need under the max rule (one scale E for every position: (max |Δ| - atol) / E, E from
+    the budget k·E + atol at the default k and the dtype's atol; not where a routing allowance widened positions):
+    its k_to_pass when logprob was its only failure, a lower bound when a token failed too (enough to say it still
+    fails, not that it passes); a first failure that is a token's gives another lower bound from the margin its
+    message prints (3 significant digits, taken 0.5% low); else None. A run that passed passes at any larger k."""
     if row.get("verdict") == "ERROR":
         return True
     if row.get("verdict") == "SKIP":
@@ -176,18 +178,44 @@ def fails_at_k(row: dict, k: float, rule: str = "max") -> bool | None:
     if not checks:
         return False
     needed = judged.get("k_to_pass")
-    if needed is None:
-        needed = _k_from_largest_delta(judged, checks)
-    return None if needed is None else needed > k
+    if needed is not None:
+        return needed > k
+    logprob = _k_from_largest_delta(judged) if "logprob" in checks else None
+    if logprob is not None and logprob > k:
+        return True
+    if logprob is not None and checks == {"logprob"}:
+        return False
+    token = _k_from_token_margin(judged) if "token" in checks else None
+    return True if token is not None and token > k else None
 
 
-def _k_from_largest_delta(row: dict, checks: set[str]) -> float | None:
-    """k_to_pass of a max-rule row that failed by logprob alone, from its largest |Δ| and budget (fails_at_k)."""
-    from harness.compare import ATOL, DEFAULT_K
+def _k_from_token_margin(row: dict) -> float | None:
+    """A lower bound on what a max-rule row's token failures need of k: the margin its first failure's message
+    prints, if that failure is a token's (fails_at_k)."""
+    from harness.compare import DEFAULT_K
 
-    atol = {str(d).removeprefix("torch."): v for d, v in ATOL.items()}.get(row.get("dtype"))
-    if (checks != {"logprob"} or "budget_floor" in row or atol is None or row.get("max_delta") is None
-            or not row.get("budget") or (row.get("routing_allowance") or {}).get("largest")):
+    found = re.search(r"margin (\S+) > budget (\S+), not a near-tie", row.get("first_failure", ""))
+    atol = _atol(row)
+    if found is None or atol is None or "budget_floor" in row or not row.get("budget"):
+        return None
+    scale = (row["budget"] - atol) / DEFAULT_K
+    return (float(found.group(1)) * 0.995 - atol) / scale if scale > 0 else None
+
+
+def _atol(row: dict) -> float | None:
+    """The judge's atol for the row's dtype (None: a dtype it has none for)."""
+    from harness.compare import ATOL
+
+    return {str(d).removeprefix("torch."): v for d, v in ATOL.items()}.get(row.get("dtype"))
+
+
+def _k_from_largest_delta(row: dict) -> float | None:
+    """What a max-rule row's logprob failures need of k, from its largest |Δ| and budget (fails_at_k)."""
+    from harness.compare import DEFAULT_K
+
+    atol = _atol(row)
+    if ("budget_floor" in row or atol is None or row.get("max_delta") is None or not row.get("budget")
+            or (row.get("routing_allowance") or {}).get("largest")):
         return None
     scale = (row["budget"] - atol) / DEFAULT_K
     return (row["max_delta"] - atol) / scale if scale > 0 else None

@@ -958,7 +958,15 @@ def test_a_larger_k_is_weighed_on_each_runs_k_to_pass():
     old = dict(_k_row("s", "a", "FAIL", checks=["logprob"]), max_delta=0.3 + 1e-5 - 1e-9, budget=0.2 + 1e-5)
     assert fails_at_k(old, 2.5) is True and fails_at_k(old, 3.0) is False
     assert fails_at_k(dict(old, max_delta=0.3 + 1e-5 + 1e-9), 3.0) is True
-    assert fails_at_k(dict(old, checks=["logprob", "token"]), 2.5) is None          # a token margin unknown
+    both = dict(old, checks=["logprob", "token"])                                   # a token margin unknown:
+    assert fails_at_k(both, 2.5) is True and fails_at_k(both, 3.0) is None         # a lower bound only
+    assert fails_at_k(dict(old, checks=["token"]), 2.5) is None
+    # a first failure that is a token's: its printed margin is a lower bound (E = 0.1 here)
+    token = dict(old, checks=["token"], first_failure="s: request 'r' position 3 (generated step 1): oracle token 1 "
+                 "(logprob -1.0), candidate token 2 (oracle logprob of it -1.41): margin 0.41 > budget 0.2, "
+                 "not a near-tie")
+    assert fails_at_k(token, 4.0) is True and fails_at_k(token, 4.1) is None
+    assert fails_at_k(dict(token, checks=["logprob", "token"]), 4.1) is None
     assert fails_at_k(dict(old, budget_floor=0.05), 2.5) is None                   # the quantile rule's
     assert fails_at_k(dict(old, routing_allowance={"positions": 1, "largest": 0.4}), 2.5) is None
     assert fails_at_k(dict(old, dtype="float64"), 2.5) is True                     # fp64's atol, 1e-10
