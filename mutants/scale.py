@@ -166,7 +166,8 @@ def fails_at_k(row: dict, k: float, rule: str = "max") -> bool | None:
     the budget k·E + atol at the default k and the dtype's atol; not where a routing allowance widened positions):
     its k_to_pass when logprob was its only failure, a lower bound when a token failed too (enough to say it still
     fails, not that it passes); a first failure that is a token's gives another lower bound from the margin its
-    message prints (3 significant digits, taken 0.5% low); else None. A run that passed passes at any larger k."""
+    message prints (3 significant digits, taken 0.5% low), or fails at any k where the token was not among those
+    the baseline listed; else None. A run that passed passes at any larger k."""
     if row.get("verdict") == "ERROR":
         return True
     if row.get("verdict") == "SKIP":
@@ -194,7 +195,10 @@ def _k_from_token_margin(row: dict) -> float | None:
     prints, if that failure is a token's (fails_at_k)."""
     from harness.compare import DEFAULT_K
 
-    found = re.search(r"margin (\S+) > budget (\S+), not a near-tie", row.get("first_failure", ""))
+    text = row.get("first_failure", "")
+    if re.search(r"candidate token \d+: not among the \S+ \d+ most likely tokens", text):
+        return math.inf             # its margin unknown to the judge: no k makes it a near-tie (compare.py)
+    found = re.search(r"margin (\S+) > budget (\S+), not a near-tie", text)
     atol = _atol(row)
     if found is None or atol is None or "budget_floor" in row or not row.get("budget"):
         return None

@@ -967,6 +967,10 @@ def test_a_larger_k_is_weighed_on_each_runs_k_to_pass():
                  "not a near-tie")
     assert fails_at_k(token, 4.0) is True and fails_at_k(token, 4.1) is None
     assert fails_at_k(dict(token, checks=["logprob", "token"]), 4.1) is None
+    unlisted = dict(token, first_failure="s: request 'r' position 3 (generated step 2): oracle token 1 (logprob "
+                    "-2.18), candidate token 5: not among the oracle's 256 most likely tokens (the last at logprob "
+                    "-7.71): margin >= 5.53 > budget 5.02, not a near-tie")
+    assert fails_at_k(unlisted, 1e9) is True                   # the judge cannot call it a near-tie at any k
     assert fails_at_k(dict(old, budget_floor=0.05), 2.5) is None                   # the quantile rule's
     assert fails_at_k(dict(old, routing_allowance={"positions": 1, "largest": 0.4}), 2.5) is None
     assert fails_at_k(dict(old, dtype="float64"), 2.5) is True                     # fp64's atol, 1e-10
