@@ -870,6 +870,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=4,
                         help="mutant processes at a time on the GPU (fewer when the memory gate says so)")
     parser.add_argument("--stop-at-kill", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--every-scenario", action="store_true",
+                        help="judge each mutant in every scenario, not only up to its first kill (what weighing a "
+                             "larger k on its rows needs; with --resume, a killed mutant's other scenarios run)")
     parser.add_argument("--repeat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda")
@@ -1083,14 +1086,15 @@ def _measure(args, out: Path, judged: list, groups: list[tuple[int, int]]) -> li
 
     def one(mutant):
         results = out / f"mutant-{mutant.name}.jsonl"
-        if _complete(results, seeds=[0], stop_at_kill=True, **asked) or \
+        stop = not args.every_scenario
+        if _complete(results, seeds=[0], stop_at_kill=stop, **asked) or \
                 (deadline is not None and time.monotonic() >= deadline):
             return
         tree = scratch / mutant.name
         copy_tree(ROOT, tree, exclude=(checkpoint, out))      # a model or --out kept inside the tree
         mutant.apply(tree)
         statuses.append(run(tree, results, out / f"mutant-{mutant.name}.log", seeds=1, need="engine",
-                            cache=cache, save_cache=None, stop_at_kill=True))
+                            cache=cache, save_cache=None, stop_at_kill=stop))
         shutil.rmtree(tree, ignore_errors=True)
 
     try:

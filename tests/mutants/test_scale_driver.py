@@ -1012,3 +1012,30 @@ def test_the_table_weighs_a_larger_k_by_clean_failures_and_kills_kept():
             and not line.startswith("| k ")] == [f"| {k:g}" for k in LARGER_K]
     # rows without k_to_pass (an earlier measurement's) give no such table
     assert "### Larger k" not in table([_row("s", "bfloat16", "PASS", "aaa")], [old], {}, ["bfloat16"])
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_every_scenario_resumes_a_killed_mutants_other_scenarios(every, tmp_path, monkeypatch):
+    """A mutant's worker stops at its first kill; --every-scenario judges it in every scenario (what a larger k is
+    weighed on), and with --resume runs a killed mutant's file again for the scenarios it lacks."""
+    import json
+    from types import SimpleNamespace
+
+    import harness.runner
+    import mutants.run
+    from mutants import scale
+
+    calls = []
+    monkeypatch.setattr(harness.runner, "restamp_cache", lambda cache, checkpoint: None)   # a fake cache
+    monkeypatch.setattr(scale, "_run_worker", _passing_worker(
+        note=lambda results, kwargs: calls.append((results.name, kwargs.get("stop_at_kill")))))
+    monkeypatch.setattr(mutants.run, "copy_tree", lambda root, tree, **kw: tree.mkdir(parents=True))
+    args, out = _fake_measurement(tmp_path, jobs=1, resume=True, scenarios="s,t", every_scenario=every)
+    clean = [_row(s, "bfloat16", "PASS", s * 3) for s in "st"]
+    for name in ("clean-seed0.jsonl", scale.REPEAT):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in clean) + json.dumps(scale.DONE) + "\n")
+    (out / "oracle-cache.pt").write_bytes(b"cache")
+    (out / "mutant-m.jsonl").write_text(json.dumps(_row("s", "bfloat16", "FAIL", "k", checks=["logprob"])) + "\n"
+                                        + json.dumps(scale.DONE) + "\n")
+    scale._measure(args, out, [SimpleNamespace(name="m", apply=lambda tree: None)], [])
+    assert calls == ([("mutant-m.jsonl", False)] if every else [])
