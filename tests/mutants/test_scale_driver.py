@@ -30,7 +30,7 @@ def _fake_measurement(tmp_path, **changes):
     (tmp_path / "out").mkdir()
     args = dict(model_dir=str(model), model="m", resume=False, time_limit=None, device="cpu", jobs=1,
                 scenarios="s", dtypes="bfloat16", clean_seeds=1, timeout=60, budget_rule="max",
-                budget_quantile=0.99, oracle_memory=None)
+                budget_quantile=0.99, oracle_memory=None, every_scenario=False)
     return SimpleNamespace(**{**args, **changes}), tmp_path / "out"
 
 
