@@ -193,17 +193,20 @@ def fails_at_k(row: dict, k: float, rule: str = "max") -> bool | None:
 def _k_from_token_margin(row: dict) -> float | None:
     """A lower bound on what a max-rule row's token failures need of k: the margin its first failure's message
     prints, if that failure is a token's (fails_at_k)."""
-    from harness.compare import DEFAULT_K
-
     text = row.get("first_failure", "")
     if re.search(r"candidate token \d+: not among the \S+ \d+ most likely tokens", text):
         return math.inf             # its margin unknown to the judge: no k makes it a near-tie (compare.py)
-    found = re.search(r"margin (\S+) > budget (\S+), not a near-tie", text)
-    atol = _atol(row)
-    if found is None or atol is None or "budget_floor" in row or not row.get("budget"):
+    found = re.search(r"margin (\S+) > budget \S+, not a near-tie", text)
+    scale = _max_rule_scale(row)
+    return None if found is None or scale is None else (float(found.group(1)) * 0.995 - _atol(row)) / scale
+
+
+def _k_from_largest_delta(row: dict) -> float | None:
+    """What a max-rule row's logprob failures need of k, from its largest |Δ| and budget (fails_at_k)."""
+    scale = _max_rule_scale(row)
+    if scale is None or row.get("max_delta") is None or (row.get("routing_allowance") or {}).get("largest"):
         return None
-    scale = (row["budget"] - atol) / DEFAULT_K
-    return (float(found.group(1)) * 0.995 - atol) / scale if scale > 0 else None
+    return (row["max_delta"] - _atol(row)) / scale
 
 
 def _atol(row: dict) -> float | None:
@@ -213,16 +216,15 @@ def _atol(row: dict) -> float | None:
     return {str(d).removeprefix("torch."): v for d, v in ATOL.items()}.get(row.get("dtype"))
 
 
-def _k_from_largest_delta(row: dict) -> float | None:
-    """What a max-rule row's logprob failures need of k, from its largest |Δ| and budget (fails_at_k)."""
+def _max_rule_scale(row: dict) -> float | None:
+    """E of a row judged by the max rule at the default k, from its budget k·E + atol (None: a quantile-rule row,
+    or one without a budget or a known atol)."""
     from harness.compare import DEFAULT_K
 
     atol = _atol(row)
-    if ("budget_floor" in row or atol is None or row.get("max_delta") is None or not row.get("budget")
-            or (row.get("routing_allowance") or {}).get("largest")):
+    if "budget_floor" in row or atol is None or not row.get("budget") or row["budget"] <= atol:
         return None
-    scale = (row["budget"] - atol) / DEFAULT_K
-    return (row["max_delta"] - atol) / scale if scale > 0 else None
+    return (row["budget"] - atol) / DEFAULT_K
 
 
 def excess_fails_at(row: dict, ratio: float) -> bool | None:
@@ -580,7 +582,6 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
         killed = [r for r in mine if r["verdict"] in ("FAIL", "ERROR")]
         noise = [r for r in clean if r["dtype"] == dtype and r["verdict"] == "PASS"]
         missing = expected - {r["scenario"] for r in mine}
-        missing_after_kill = bool(missing)              # a kill stops a dtype's runs; at a larger k they might fail
         differ = [r for r in mine if r.get("digest") not in digests.get((r["scenario"], dtype), set())]
         stable_differ = [r for r in differ if len(digests.get((r["scenario"], dtype), ())) <= 1]
         if killed:
@@ -614,10 +615,9 @@ def summarise(name: str, rows: list[dict], clean: list[dict], dtypes: list[str],
             # a survivor: would the excess test at a lower ratio limit kill it (None: not known from these rows)
             "excess_kills_at": {f"{x:g}": _any_known([excess_fails_at(r, x) for r in mine])
                                 for x in LOWER_LIMITS} if outcome == "survived" else {},
-            # a kill: would the max rule with a larger k still make it (None: not known from these rows, or the
-            # scenarios a kill left unrun might)
-            "kills_at_k": {f"{k:g}": (lambda v: True if True in v else None if None in v or missing_after_kill
-                                      else False)([fails_at_k(r, k) for r in mine])
+            # a kill: would the max rule with a larger k still make it (None: not known from these rows, or from
+            # the scenarios the kill left unrun, which might fail there)
+            "kills_at_k": {f"{k:g}": _any_known([fails_at_k(r, k) for r in mine] + ([None] if missing else []))
                            for k in LARGER_K} if outcome == "killed" else {},
         }
     out["live"] = any(out[d]["outcome"] in ("killed", "survived") for d in dtypes)
